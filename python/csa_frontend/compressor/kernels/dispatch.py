@@ -1,13 +1,198 @@
-"""Placeholder until the CuTe kernels land: every entry point says so clearly."""
+"""Compile cache and launch glue between torch tensors and the CuTe kernels.
+
+Kernels are compiled through TVM-FFI against symbolic token / row / segment counts, so one
+compiled function per static configuration serves every pack; calls then pass torch tensors
+straight through (no per-call DLPack wrapping) on the environment (current torch) stream.
+The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
+concurrent first calls compile once.
+"""
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
 
-def unsupported_reason(ratio, coff, head_dim, arch=None):
-    return "fused CuTe kernels are not built yet"
+import torch
+
+from .schedule import (
+    Schedule,
+    bwd_row_groups,
+    bwd_rows_per_thread,
+    choose_schedule,
+    zero_fill_ctas,
+)
+
+log = logging.getLogger("csa_frontend")
+
+#: Architectures whose code generation CI checks; sm_90a is the one validated on hardware.
+SUPPORTED_ARCHS = ("sm_80", "sm_90a", "sm_100a")
+
+_cache: Dict[Tuple, Callable] = {}
+_lock = threading.Lock()
 
 
-def _missing(*args, **kwargs):
-    raise RuntimeError("csa_frontend: fused CuTe kernels are not built yet; use CPU tensors")
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm_90a"
+    if major == 10:
+        return "sm_100a"
+    return f"sm_{major}{minor}"
 
 
-compile_forward = compile_backward = forward = backward = _missing
+def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str] = None) -> Optional[str]:
+    if arch is not None and arch not in SUPPORTED_ARCHS:
+        return f"arch: fused kernels are built for {SUPPORTED_ARCHS}, got {arch}"
+    sched = choose_schedule(ratio, coff, head_dim)
+    if sched.family != "window":
+        return (f"ratio: a window of coff*ratio={coff * ratio} positions needs the streaming "
+                f"kernel family, which is not available yet")
+    return None
+
+
+def cache_keys():
+    """The static configurations compiled so far (for tests and diagnostics)."""
+    with _lock:
+        return list(_cache)
+
+
+def _compiled(key: Tuple, build: Callable[[], Callable]) -> Callable:
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"csa_frontend: kernel {key} would compile during CUDA-graph capture; "
+                    "call compile() or run once before capturing")
+            t = time.perf_counter()
+            fn = build()
+            log.info("compiled %s in %.2f s", key, time.perf_counter() - t)
+            _cache[key] = fn
+    return fn
+
+
+def _fake_tensors(ratio: int, coff: int, head_dim: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    cols = coff * head_dim
+    n_tok, n_rows, n_off, n_grp = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def mat(dtype, rows, width):
+        return make_fake_compact_tensor(dtype, (rows, width), stride_order=(1, 0), assumed_align=16)
+
+    return dict(
+        kv=mat(cutlass.BFloat16, n_tok, cols),
+        ape=mat(cutlass.Float32, ratio, cols),
+        cu=make_fake_compact_tensor(cutlass.Int32, (n_off,), assumed_align=4),
+        out=mat(cutlass.BFloat16, n_rows, head_dim),
+        slab=make_fake_compact_tensor(cutlass.Float32, (n_grp, ratio, cols), stride_order=(2, 1, 0),
+                                      assumed_align=16),
+        slab_flat=mat(cutlass.Float32, n_grp, ratio * cols),
+        ape_flat=make_fake_compact_tensor(cutlass.Float32, (ratio * cols,), assumed_align=16),
+    )
+
+
+def _options(arch: Optional[str]) -> str:
+    opts = "--enable-tvm-ffi"
+    if arch:
+        opts += f" --gpu-arch={arch}"
+    return opts
+
+
+def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .window_fwd import WindowForward
+
+    f = _fake_tensors(ratio, coff, head_dim)
+    op = WindowForward(ratio, coff, head_dim, sched)
+    return cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"],
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=_options(arch))
+
+
+def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .ape_reduce import ApeReduce
+    from .window_bwd import WindowBackward
+
+    f = _fake_tensors(ratio, coff, head_dim)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    op = WindowBackward(ratio, coff, head_dim, sched)
+    one = cutlass.Int32(1)
+    main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
+                        f["slab"], one, one, one, stream, options=_options(arch))
+    reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], stream, options=_options(arch))
+    return main, reduce
+
+
+def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[str]):
+    sched = choose_schedule(ratio, coff, head_dim)
+    return (direction, arch, ratio, coff, head_dim, sched), sched
+
+
+def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    key, sched = _key("fwd", ratio, coff, head_dim, arch)
+    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
+
+
+def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    key, sched = _key("bwd", ratio, coff, head_dim, arch)
+    return _compiled(key, lambda: _build_backward(ratio, coff, head_dim, sched, arch))
+
+
+class _on_stream:
+    """Run on ``stream``'s device and stream; a no-op context for the common default case."""
+
+    def __init__(self, device: torch.device, stream: Optional[torch.cuda.Stream]):
+        self.ctx = []
+        if device.index is not None and device.index != torch.cuda.current_device():
+            self.ctx.append(torch.cuda.device(device))
+        if stream is not None:
+            self.ctx.append(torch.cuda.stream(stream))
+
+    def __enter__(self):
+        for c in self.ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctx):
+            c.__exit__(*exc)
+
+
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
+    if out.shape[0] == 0:
+        return
+    arch = arch_of(kv.device)
+    fn = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    with _on_stream(kv.device, stream):
+        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+
+
+def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
+             ratio, coff, head_dim, deterministic=True, stream=None):
+    # deterministic=False takes the same fixed-order path: it is already as fast as the
+    # DRAM traffic allows, so no atomic variant is needed (the API still applies the guard).
+    arch = arch_of(kv.device)
+    main, reduce = compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    sched = choose_schedule(ratio, coff, head_dim)
+    n_rows = grad_out.shape[0]
+    rpt = bwd_rows_per_thread(n_rows, sched)
+    groups = bwd_row_groups(n_rows, sched, rpt)
+    zero_ctas = zero_fill_ctas(cu_seqlens.shape[0] - 1, sched)
+    with _on_stream(kv.device, stream):
+        slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
+        if groups == 0:
+            slab.zero_()
+        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
+             rpt, groups, zero_ctas)
+        reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1))

@@ -1,0 +1,126 @@
+"""Device helpers shared by every kernel family: pinned arithmetic, row lookup, window gather.
+
+Why pinned products: ptxas may contract a plain ``mul.f32`` feeding an ``add``/``sub`` into one
+FMA, which changes bits against the eager reference (where every op rounds). ``mul.rn.f32``
+is never contracted, so the products whose rounding the numerics contract fixes go through
+``mul_rn``.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """``a * b`` rounded once, never fused into a neighbouring add."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
+    """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]`` (binary search).
+
+    O(log B) dependent loads of a tiny, L1-resident array, so packs of thousands of short
+    segments cost the same per row as one long segment. Empty segments are skipped because
+    the search keeps the last start that is <= row. Caller guarantees
+    ``row < cu_seqlens_comp[n_seg]``.
+    """
+    lo = Int32(0)
+    hi = n_seg
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if mCuC[mid] <= row:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cute.jit
+def load_window(
+    gKV: cute.Tensor,
+    gS: cute.Tensor,
+    gA: cute.Tensor,
+    rS: cute.Tensor,
+    rX: cute.Tensor,
+    own0: Int32,
+    has_prev: cutlass.Boolean,
+    cv: Int32,
+    ratio: cutlass.Constexpr,
+    coff: cutlass.Constexpr,
+    n_vec: cutlass.Constexpr,
+    vec: cutlass.Constexpr,
+):
+    """Gather one row's window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
+
+    ``rS[k, v]`` = score + ape (fp32; -inf where the position is invalid) and ``rX[k, v]`` =
+    kv (fp32; 0 where invalid), positions ordered as SPEC §2. ``gKV``/``gS``/``gA`` are the
+    inputs divided into ``(1, vec)`` tiles, so each access is one ``vec``-wide vector.
+    ``own0`` is the block's first token.
+    """
+    for k in cutlass.range_constexpr(coff * ratio):
+        if cutlass.const_expr(coff == 2 and k < ratio):
+            # previous block, first-half columns, ape row k
+            if has_prev:
+                kvv = gKV[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
+                scv = gS[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
+                apv = gA[(0, None), (k, cv)].load()
+                for v in cutlass.range_constexpr(vec):
+                    rS[k, v] = scv[v] + apv[v]
+                    rX[k, v] = kvv[v]
+            else:
+                for v in cutlass.range_constexpr(vec):
+                    rS[k, v] = -Float32.inf
+                    rX[k, v] = Float32(0.0)
+        else:
+            i = k - ratio if cutlass.const_expr(coff == 2) else k
+            colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
+            kvv = gKV[(0, None), (own0 + i, colt)].load().to(Float32)
+            scv = gS[(0, None), (own0 + i, colt)].load().to(Float32)
+            apv = gA[(0, None), (i, colt)].load()
+            for v in cutlass.range_constexpr(vec):
+                rS[k, v] = scv[v] + apv[v]
+                rX[k, v] = kvv[v]
+
+
+@cute.jit
+def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constexpr) -> Float32:
+    """In place: ``rS[:, v]`` becomes ``exp(s - max)``; returns the left-to-right sum.
+
+    The order (max, exp, sequential sum) is the reference's, so with libdevice's ``expf``
+    (what ``cute.math.exp`` lowers to, and what torch's CUDA ``exp`` runs) the bits match.
+    """
+    m = rS[0, v]
+    for k in cutlass.range_constexpr(1, width):
+        m = cute.arch.fmax(m, rS[k, v])
+    den = Float32(0.0)
+    for k in cutlass.range_constexpr(width):
+        e = cute.math.exp(rS[k, v] - m)
+        rS[k, v] = e
+        if cutlass.const_expr(k == 0):
+            den = e
+        else:
+            den = den + e
+    return den
+
+
+@cute.jit
+def store_zeros(gT: cute.Tensor, tok: Int32, colt: Int32, vec: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """Write one ``vec``-wide slice of exact +0.0 (never-consumed gradient slots)."""
+    z = cute.make_rmem_tensor((vec,), dtype)
+    z.fill(0.0)
+    gT[(0, None), (tok, colt)].store(z.load())

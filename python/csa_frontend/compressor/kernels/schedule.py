@@ -1,0 +1,106 @@
+"""Launch schedules for the fused kernels: pure Python, no CUDA, unit-tested on CPU.
+
+A schedule fixes everything the compiled code depends on besides (ratio, coff, head_dim, arch):
+the kernel family, the vector width and the CTA shape. Token and segment counts never enter
+it, so they never recompile. The only per-call choice, how many rows one backward thread
+walks, is a runtime argument chosen here from the row count alone (never from the SM
+count), so ``grad_ape`` bits depend on the shape and nothing else.
+
+CTA shape: ``col_threads`` threads across the head dimension (one ``vec``-wide column slice
+each, coalesced along a token row) times ``row_lanes`` threads across output rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Threads per CTA we aim for; 256 keeps 8 warps per CTA and leaves room for 2+ CTAs per SM.
+CTA_THREADS = 256
+#: Largest pooling window (coff * ratio positions) kept whole in registers, per vector width.
+#: Measured with ptxas for sm_90a: beyond these the window spills (see docs/csa_compressor.md).
+WINDOW_REGISTER_BUDGET = 64  # fp32 window values (positions x vec) a thread may hold per operand
+#: Backward CTAs we aim for before a thread starts walking several rows (a constant, not the
+#: SM count, so the fixed reduction order of grad_ape is the same on every GPU).
+BWD_TARGET_CTAS = 1024
+#: Cap on rows one backward thread walks; bounds the grad_ape partial-slab count from below.
+BWD_MAX_ROWS_PER_THREAD = 16
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Static launch facts of one compiled kernel (part of the compile key)."""
+
+    family: str  # "window": whole window in registers; "stream": window streamed in chunks
+    vec: int  # elements per thread access along head_dim (8 -> 16-byte bf16 accesses)
+    col_threads: int  # threads across head_dim in one CTA
+    row_lanes: int  # threads across output rows in one CTA
+    col_tiles: int  # CTAs across head_dim (head_dim / vec > CTA_THREADS)
+
+    @property
+    def threads(self) -> int:
+        return self.col_threads * self.row_lanes
+
+
+def vector_width(head_dim: int) -> int:
+    """Widest access (8, 4, 2 or 1 bf16 elements) that keeps every row slice aligned.
+
+    The slice starts of both window halves (``j`` and ``head_dim + j``) and every token row
+    (stride ``coff * head_dim``) must be multiples of the width, so it must divide head_dim.
+    """
+    for vec in (8, 4, 2, 1):
+        if head_dim % vec == 0:
+            return vec
+    return 1
+
+
+def window_fits(ratio: int, coff: int, vec: int) -> bool:
+    return coff * ratio * vec <= WINDOW_REGISTER_BUDGET
+
+
+def choose_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
+    """The schedule for a configuration; depends only on static facts."""
+    vec = vector_width(head_dim)
+    # Narrow the vector until the register window fits, but not below 4-byte accesses
+    # (unless head_dim is odd); a window that still does not fit is streamed instead.
+    narrow = vec
+    while narrow > 1 and not window_fits(ratio, coff, narrow):
+        narrow //= 2
+    if window_fits(ratio, coff, narrow) and (narrow >= 2 or vec == 1):
+        family, vec = "window", narrow
+    else:
+        family = "stream"
+    n_vec = head_dim // vec
+    col_threads = min(n_vec, CTA_THREADS)
+    col_tiles = -(-n_vec // col_threads)
+    row_lanes = max(1, CTA_THREADS // col_threads)
+    return Schedule(family, vec, col_threads, row_lanes, col_tiles)
+
+
+def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
+    """Rows each backward thread walks: 1 until there are BWD_TARGET_CTAS CTAs, then more.
+
+    Fewer, longer-lived threads mean fewer grad_ape partial slabs to write and reduce; a power
+    of two keeps the choice a coarse bucket of the row count.
+    """
+    per_cta_rows = sched.row_lanes
+    rpt = 1
+    while (
+        rpt < BWD_MAX_ROWS_PER_THREAD
+        and n_rows >= 2 * rpt * per_cta_rows * BWD_TARGET_CTAS
+    ):
+        rpt *= 2
+    return rpt
+
+
+def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
+    """Number of grad_ape partial slabs (one per CTA row group)."""
+    rows_per_cta = sched.row_lanes * rows_per_thread
+    return -(-n_rows // rows_per_cta)
+
+
+def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
+    """CTAs appended to the backward grid to zero never-consumed gradient slots.
+
+    One row lane per segment (segments shorter than ``ratio`` have no output row that could
+    zero them), and at least one CTA for tokens past ``cu_seqlens[-1]``.
+    """
+    return max(1, -(-n_segments // sched.row_lanes))

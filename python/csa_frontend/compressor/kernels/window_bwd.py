@@ -1,0 +1,184 @@
+"""Register-window backward: recompute the window, store disjoint gradients, reduce grad_ape.
+
+Thread layout as the forward (``col_threads`` x ``row_lanes``), but each thread walks
+``rows_per_thread`` rows (a runtime argument chosen from the row count) and keeps its
+``grad_ape`` contributions in registers. At the end the CTA sums its row lanes in a fixed
+order through shared memory and writes one partial slab ``(ratio, coff*d)`` per CTA row group;
+``ape_reduce`` then sums the slabs in slab order. Nothing depends on the SM count or on
+scheduling, so ``grad_ape`` is bitwise reproducible; there are no atomics.
+
+Every gradient slot is written by this kernel: consumed ones by the thread owning the window,
+the first-half columns of a segment's last block and the segment's tail tokens by the thread
+of that last block, and slots no row can reach (segments shorter than ``ratio``, tokens past
+``cu_seqlens[-1]``) by extra "zero-fill" CTAs appended to the grid.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from .common import find_segment, load_window, mul_rn, softmax_column, store_zeros
+from .schedule import Schedule
+
+
+class WindowBackward:
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
+        assert sched.family == "window"
+        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
+        self.vec = sched.vec
+        self.n_vec = head_dim // sched.vec
+        self.width = coff * ratio
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mGO: cute.Tensor,  # (total_comp, d) bf16
+        mGKV: cute.Tensor,  # (T, coff*d) bf16
+        mGS: cute.Tensor,  # (T, coff*d) bf16
+        mSlab: cute.Tensor,  # (row_groups, ratio, coff*d) fp32 partial grad_ape
+        rows_per_thread: Int32,
+        row_groups: Int32,
+        zero_ctas: Int32,
+        stream,
+    ):
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+                    rows_per_thread, row_groups, zero_ctas).launch(
+            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+               rows_per_thread, row_groups, zero_ctas):
+        ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
+        ct, lanes = self.sched.col_threads, self.sched.row_lanes
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        cvl = tidx % ct
+        lane = tidx // ct
+        cv = by * ct + cvl
+        col_ok = cv < n_vec
+        n_seg = mCu.shape[0] - 1
+        gKV = cute.zipped_divide(mKV, (1, vec))
+        gS = cute.zipped_divide(mS, (1, vec))
+        gA = cute.zipped_divide(mApe, (1, vec))
+        gGKV = cute.zipped_divide(mGKV, (1, vec))
+        gGS = cute.zipped_divide(mGS, (1, vec))
+        if bx < row_groups:
+            rPart = cute.make_rmem_tensor((width, vec), Float32)
+            rPart.fill(0.0)
+            n_real = mCuC[n_seg]
+            for it in cutlass.range(rows_per_thread, unroll=1):
+                row = (bx * rows_per_thread + it) * lanes + lane
+                if row < n_real and col_ok:
+                    seg = find_segment(mCuC, n_seg, row)
+                    t0 = mCu[seg]
+                    blk = row - mCuC[seg]
+                    own0 = t0 + blk * ratio
+                    rS = cute.make_rmem_tensor((width, vec), Float32)
+                    rX = cute.make_rmem_tensor((width, vec), Float32)
+                    load_window(gKV, gS, gA, rS, rX, own0, blk > 0, cv, ratio, coff, n_vec, vec)
+                    gGO = cute.zipped_divide(mGO, (1, vec))
+                    rG = gGO[(0, None), (row, cv)].load().to(Float32)
+                    rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
+                    rGS = cute.make_rmem_tensor((width, vec), BFloat16)
+                    for v in cutlass.range_constexpr(vec):
+                        den = softmax_column(rS, v, width)
+                        g = rG[v]
+                        # rS <- p, rX <- p * dp, then the left-to-right sum S
+                        ssum = Float32(0.0)
+                        for k in cutlass.range_constexpr(width):
+                            p = rS[k, v] / den
+                            pd = mul_rn(p, mul_rn(g, rX[k, v]))
+                            rS[k, v] = p
+                            rX[k, v] = pd
+                            if cutlass.const_expr(k == 0):
+                                ssum = pd
+                            else:
+                                ssum = ssum + pd
+                        for k in cutlass.range_constexpr(width):
+                            gs = rX[k, v] - mul_rn(rS[k, v], ssum)
+                            rPart[k, v] = rPart[k, v] + gs
+                            rGS[k, v] = gs.to(BFloat16)
+                            rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
+                    for k in cutlass.range_constexpr(width):
+                        if cutlass.const_expr(coff == 2 and k < ratio):
+                            if blk > 0:
+                                tok = own0 - ratio + k
+                                gGKV[(0, None), (tok, cv)].store(rGKV[k, None].load())
+                                gGS[(0, None), (tok, cv)].store(rGS[k, None].load())
+                        else:
+                            i = k - ratio if cutlass.const_expr(coff == 2) else k
+                            colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
+                            gGKV[(0, None), (own0 + i, colt)].store(rGKV[k, None].load())
+                            gGS[(0, None), (own0 + i, colt)].store(rGS[k, None].load())
+                    n_blk = mCuC[seg + 1] - mCuC[seg]
+                    if blk == n_blk - 1:
+                        # last block: nobody consumes its first-half columns, nor the tail
+                        if cutlass.const_expr(coff == 2):
+                            for i in cutlass.range_constexpr(ratio):
+                                store_zeros(gGKV, own0 + i, cv, vec, BFloat16)
+                                store_zeros(gGS, own0 + i, cv, vec, BFloat16)
+                        self.zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], cv)
+            self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
+        else:
+            # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
+            zb = bx - row_groups
+            if col_ok:
+                seg = zb * lanes + lane
+                if seg < n_seg:
+                    if mCuC[seg + 1] == mCuC[seg]:
+                        self.zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], cv)
+                stride = zero_ctas * lanes
+                first = mCu[n_seg] + zb * lanes + lane
+                n_tok = mKV.shape[0]
+                n_left = (n_tok - first + stride - 1) // stride
+                for j in cutlass.range(n_left, unroll=1):
+                    self.zero_tokens(gGKV, gGS, first + j * stride, first + j * stride + 1, cv)
+
+    @cute.jit
+    def zero_tokens(self, gGKV, gGS, begin: Int32, end: Int32, cv: Int32):
+        """Exact zeros in this thread's column slices of tokens ``[begin, end)``."""
+        for tok in cutlass.range(begin, end, unroll=1):
+            for half in cutlass.range_constexpr(self.coff):
+                store_zeros(gGKV, tok, cv + half * self.n_vec, self.vec, BFloat16)
+                store_zeros(gGS, tok, cv + half * self.n_vec, self.vec, BFloat16)
+
+    @cute.jit
+    def reduce_lanes(self, rPart, mSlab, bx, by, tidx, cvl, lane):
+        """Sum the CTA's row lanes in lane order and write this row group's slab."""
+        ratio, vec, n_vec = self.ratio, self.vec, self.n_vec
+        ct, lanes = self.sched.col_threads, self.sched.row_lanes
+        tile_cols = ct * vec
+        smem = SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((lanes, tile_cols), stride=(tile_cols, 1)), 16)
+        col0 = by * tile_cols
+        for k in cutlass.range_constexpr(self.width):
+            for v in cutlass.range_constexpr(vec):
+                sRed[lane, cvl * vec + v] = rPart[k, v]
+            cute.arch.sync_threads()
+            arow = k
+            half = 0
+            if cutlass.const_expr(self.coff == 2):
+                arow = k % ratio
+                half = k // ratio
+            for idx in cutlass.range_constexpr(tidx_chunks(tile_cols, self.sched.threads)):
+                c = idx * self.sched.threads + tidx
+                if c < tile_cols and col0 + c < n_vec * vec:
+                    acc = sRed[0, c]
+                    for y in cutlass.range_constexpr(1, lanes):
+                        acc = acc + sRed[y, c]
+                    mSlab[bx, arow, half * n_vec * vec + col0 + c] = acc
+            cute.arch.sync_threads()
+
+
+def tidx_chunks(n: int, threads: int) -> int:
+    return -(-n // threads)

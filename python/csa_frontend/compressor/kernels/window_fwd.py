@@ -1,0 +1,84 @@
+"""Register-window forward: one thread pools one output row for ``vec`` columns.
+
+The whole window (``coff * ratio`` positions x ``vec`` columns of score+ape and kv) lives in
+registers, so each input element is read from DRAM exactly once (every (token, column) belongs
+to one window) and nothing intermediate touches memory. Arithmetic follows the reference
+order exactly (max, expf, left-to-right sum, true division, left-to-right pinned-product
+sum), so ``out`` matches the fp32-intermediate reference bit for bit when exp agrees.
+
+Grid: x over groups of ``row_lanes`` output rows, y over column tiles of ``col_threads``
+vectors. Padding rows (``row >= cu_seqlens_comp[-1]``) pool segment 0's first block.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .common import find_segment, load_window, mul_rn, softmax_column
+from .schedule import Schedule
+
+
+class WindowForward:
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
+        assert sched.family == "window"
+        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
+        self.vec = sched.vec
+        self.n_vec = head_dim // sched.vec
+        self.width = coff * ratio
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mOut: cute.Tensor,  # (total_comp, d) bf16
+        stream,
+    ):
+        n_rows = mOut.shape[0]
+        lanes = self.sched.row_lanes
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
+            grid=((n_rows + lanes - 1) // lanes, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
+        vec, n_vec, width = self.vec, self.n_vec, self.width
+        ct = self.sched.col_threads
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        cv = by * ct + tidx % ct
+        row = bx * self.sched.row_lanes + tidx // ct
+        n_seg = mCu.shape[0] - 1
+        if row < mOut.shape[0] and cv < n_vec:
+            t0 = Int32(0)
+            blk = Int32(0)
+            if row < mCuC[n_seg]:
+                seg = find_segment(mCuC, n_seg, row)
+                t0 = mCu[seg]
+                blk = row - mCuC[seg]
+            gKV = cute.zipped_divide(mKV, (1, vec))
+            gS = cute.zipped_divide(mS, (1, vec))
+            gA = cute.zipped_divide(mApe, (1, vec))
+            rS = cute.make_rmem_tensor((width, vec), Float32)
+            rX = cute.make_rmem_tensor((width, vec), Float32)
+            load_window(gKV, gS, gA, rS, rX, t0 + blk * self.ratio, blk > 0, cv,
+                        self.ratio, self.coff, n_vec, vec)
+            rO = cute.make_rmem_tensor((vec,), Float32)
+            for v in cutlass.range_constexpr(vec):
+                den = softmax_column(rS, v, width)
+                acc = Float32(0.0)
+                for k in cutlass.range_constexpr(width):
+                    term = mul_rn(rX[k, v], rS[k, v] / den)
+                    if cutlass.const_expr(k == 0):
+                        acc = term
+                    else:
+                        acc = acc + term
+                rO[v] = acc
+            gO = cute.zipped_divide(mOut, (1, vec))
+            gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
