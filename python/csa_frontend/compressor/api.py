@@ -1,0 +1,340 @@
+"""Operator classes and wrapper functions of the CSA compressor pooling (SPEC section 4).
+
+CUDA tensors go to the fused CuTe kernels (``kernels/``, imported lazily so CPU-only use never
+loads CUTLASS); CPU tensors run the fp32 reference (``reference.py``) through the same checks.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Callable, Hashable, Optional
+
+import torch
+
+from ..api_base import APIBase, TensorDesc
+from . import plan
+from .reference import reference_backward, reference_forward
+
+#: Operator objects the wrappers keep, least recently used evicted first.
+OP_CACHE_SIZE = 64
+
+_PLANNED_DEVICE = "the device this operator was planned for"
+_KV_DEVICE = "the device of kv"
+
+
+class OpResult(dict):
+    """Named outputs that also behave like a tuple: ``r["out"]`` or ``r[0]``, and iterating
+    (hence unpacking) yields the values in order: ``grad_kv, grad_score, grad_ape = r``."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, slice)):
+            return tuple(self.values())[key]
+        return super().__getitem__(key)
+
+
+def _sample(t):
+    """Descriptor of a sample tensor; anything else is kept so check_support can name it."""
+    return TensorDesc.of(t) if isinstance(t, torch.Tensor) else t
+
+
+def _kernels():
+    from . import kernels  # lazy: pulls in CUTLASS only for CUDA work
+    return kernels
+
+
+def _check_stream(stream) -> None:
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise ValueError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
+
+
+def _record_on(stream, device: torch.device, tensors) -> None:
+    """Tell the caching allocator these tensors are used on a stream other than the current one."""
+    if stream is not None and stream != torch.cuda.current_stream(device):
+        for t in tensors:
+            t.record_stream(stream)
+
+
+def determinism_guard(deterministic: bool) -> None:
+    """SPEC section 3: the atomic grad_ape path (``deterministic=False``) is non-deterministic,
+    so under ``torch.use_deterministic_algorithms(True)`` it raises, or warns in warn-only mode."""
+    if deterministic or not torch.are_deterministic_algorithms_enabled():
+        return
+    msg = ("csa_compressor backward with deterministic=False accumulates grad_ape with atomics, "
+           "which is not deterministic; torch.use_deterministic_algorithms(True) is set, so pass "
+           "deterministic=True")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(msg)
+
+
+class _CompressorOp(APIBase):
+    """What both directions share: configuration, device resolution, support, compile."""
+
+    _direction = ""
+
+    def __init__(self, samples, *, ratio, coff, head_dim, validate, device) -> None:
+        super().__init__()
+        self._samples = [_sample(t) for t in samples]
+        self._scalars = (ratio, coff, head_dim)
+        self._device_request = device
+        self._validate = plan.validate_requested(validate)
+        self.config: Optional[plan.CompressorConfig] = None
+        self.device: Optional[torch.device] = None
+        self.arch: Optional[str] = None
+
+    # -- support ---------------------------------------------------------------------------
+    def _resolve_device(self, sample_device: torch.device) -> torch.device:
+        request = self._device_request
+        if request is None:
+            if sample_device.type != "meta":
+                return sample_device
+            request = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(request)
+        if sample_device.type != "meta" and device != sample_device:
+            raise ValueError(f"device: expected None or {sample_device} (the samples' device), got {device}")
+        if device.type == "cuda":
+            self._runtime_error_if(not torch.cuda.is_available(), "device: expected an available CUDA device, "
+                                   "but torch.cuda.is_available() is False")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        self._value_error_if(device.type not in ("cuda", "cpu"),
+                             f"device: expected a cuda or cpu device, got {device}")
+        return device
+
+    def _check_support(self) -> None:
+        kv = self._samples[0]
+        self.config = plan.make_config(kv, *self._scalars)
+        plan.check_is_tensor("kv", kv)
+        self._check_samples(self.config, kv.device)
+        self.device = self._resolve_device(kv.device)
+        if self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            self.arch = plan.arch_from_capability(capability)
+            cfg = self.config
+            reason = _kernels().unsupported_reason(cfg.ratio, cfg.coff, cfg.head_dim, self.arch)
+            self._runtime_error_if(
+                reason is not None,
+                f"{type(self).__name__}: no fused kernel for ratio={cfg.ratio}, coff={cfg.coff}, "
+                f"head_dim={cfg.head_dim} on {self.arch}: {reason}",
+            )
+
+    def _check_samples(self, cfg: plan.CompressorConfig, device: torch.device) -> None:
+        raise NotImplementedError
+
+    @property
+    def _checks_contents(self) -> bool:
+        return self.device.type == "cpu" or self._validate
+
+    # -- compile ---------------------------------------------------------------------------
+    def _compile(self) -> None:
+        if self.device.type != "cuda":
+            return  # the reference needs nothing compiled
+        self._runtime_error_if(
+            torch.cuda.is_current_stream_capturing(),
+            f"{type(self).__name__}.compile: cannot JIT while a CUDA graph is being captured; "
+            "run one call (or compile()) before capture",
+        )
+        cfg = self.config
+        compile_fn = getattr(_kernels(), f"compile_{self._direction}")
+        compile_fn(ratio=cfg.ratio, coff=cfg.coff, head_dim=cfg.head_dim, arch=self.arch)
+
+    def _describe(self) -> str:
+        cfg = self.config
+        where = f"{self.arch} fused kernels" if self.device is not None and self.device.type == "cuda" \
+            else "cpu reference"
+        if cfg is None:
+            return f"{type(self).__name__}(unchecked)"
+        return (f"{type(self).__name__}(ratio={cfg.ratio}, coff={cfg.coff}, head_dim={cfg.head_dim}, "
+                f"device={self.device}: {where})")
+
+    def _kernel_kwargs(self) -> dict:
+        cfg = self.config
+        return {"ratio": cfg.ratio, "coff": cfg.coff, "head_dim": cfg.head_dim}
+
+
+class CSACompressorForward(_CompressorOp):
+    """``out = pool(kv, score, ape)`` over a THD pack; ``total_comp = sample_out.shape[0]``.
+
+    Samples only describe shape/dtype/device (``meta`` tensors work; then ``device=`` names
+    where ``execute`` will run, default the current CUDA device if any, else CPU)."""
+
+    _direction = "forward"
+
+    def __init__(self, sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp,
+                 sample_out, *, ratio: int = 4, coff: int = 2, head_dim: Optional[int] = None,
+                 validate: Optional[bool] = None, device=None) -> None:
+        super().__init__((sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp,
+                          sample_out), ratio=ratio, coff=coff, head_dim=head_dim, validate=validate,
+                         device=device)
+
+    def _check_samples(self, cfg, device) -> None:
+        plan.check_forward(*self._samples, cfg, device, _KV_DEVICE)
+
+    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, current_stream=None) -> None:
+        """Write ``out``; checks every tensor against the plan first (outputs untouched on error)."""
+        self._require_compiled()
+        plan.check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config, self.device,
+                           _PLANNED_DEVICE)
+        _check_stream(current_stream)
+        self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, current_stream, "out.shape[0]")
+
+    def _run(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, rows_name: str) -> None:
+        """Structure already checked."""
+        cfg = self.config
+        total_comp = out.shape[0]
+        if self._checks_contents:
+            plan.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], cfg.ratio, total_comp, rows_name)
+        if total_comp == 0:
+            return
+        if self.device.type == "cpu":
+            with torch.no_grad():
+                out.copy_(reference_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, cfg.ratio, cfg.coff,
+                                            total_comp))
+            return
+        _record_on(stream, self.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+        _kernels().forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=stream,
+                           **self._kernel_kwargs())
+
+
+class CSACompressorBackward(_CompressorOp):
+    """Gradients of the pooling w.r.t. kv, score and ape, recomputed from the inputs.
+
+    ``grad_kv``/``grad_score`` may be uninitialised: every element is written (never-consumed
+    slots get +0.0); ``grad_ape`` is overwritten. ``deterministic=False`` allows an atomic
+    grad_ape reduction (see ``determinism_guard``)."""
+
+    _direction = "backward"
+
+    def __init__(self, sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp,
+                 sample_grad_out, sample_grad_kv, sample_grad_score, sample_grad_ape, *, ratio: int = 4,
+                 coff: int = 2, head_dim: Optional[int] = None, deterministic: bool = True,
+                 validate: Optional[bool] = None, device=None) -> None:
+        super().__init__((sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp,
+                          sample_grad_out, sample_grad_kv, sample_grad_score, sample_grad_ape), ratio=ratio,
+                         coff=coff, head_dim=head_dim, validate=validate, device=device)
+        self.deterministic = plan.check_flag("deterministic", deterministic)
+
+    def _check_samples(self, cfg, device) -> None:
+        plan.check_backward(*self._samples, cfg, device, _KV_DEVICE)
+
+    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+                current_stream=None) -> None:
+        """Write the three gradients; checks every tensor against the plan first."""
+        self._require_compiled()
+        plan.check_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                            grad_ape, self.config, self.device, _PLANNED_DEVICE)
+        _check_stream(current_stream)
+        self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+                  current_stream, "grad_out.shape[0]")
+
+    def _run(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+             stream, rows_name: str) -> None:
+        cfg = self.config
+        total_comp = grad_out.shape[0]
+        determinism_guard(self.deterministic)
+        if self._checks_contents:
+            plan.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], cfg.ratio, total_comp, rows_name)
+        if total_comp == 0:
+            for t in (grad_kv, grad_score, grad_ape):
+                t.zero_()
+            return
+        if self.device.type == "cpu":
+            with torch.no_grad():
+                grads = reference_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, cfg.ratio,
+                                           cfg.coff)
+                for dst, src in zip((grad_kv, grad_score, grad_ape), grads):
+                    dst.copy_(src)
+            return
+        _record_on(stream, self.device,
+                   (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape))
+        _kernels().backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+                            deterministic=self.deterministic, stream=stream, **self._kernel_kwargs())
+
+
+# -- wrappers ------------------------------------------------------------------------------------
+
+_op_cache: "OrderedDict[Hashable, _CompressorOp]" = OrderedDict()
+_op_cache_lock = threading.Lock()
+
+
+def _cached_op(key: Hashable, build: Callable[[], _CompressorOp]) -> _CompressorOp:
+    """LRU lookup of a compiled operator; built and compiled outside the lock (a compile may take
+    seconds, and the kernels' own cache makes concurrent compiles of one config safe)."""
+    with _op_cache_lock:
+        op = _op_cache.get(key)
+        if op is not None:
+            _op_cache.move_to_end(key)
+            return op
+    op = build()
+    op.compile()
+    with _op_cache_lock:
+        op = _op_cache.setdefault(key, op)
+        _op_cache.move_to_end(key)
+        while len(_op_cache) > OP_CACHE_SIZE:
+            _op_cache.popitem(last=False)
+    return op
+
+
+def clear_op_cache() -> None:
+    with _op_cache_lock:
+        _op_cache.clear()
+
+
+def _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream):
+    plan.check_is_tensor("kv", kv)
+    cfg = plan.make_config(kv, ratio, coff, head_dim)
+    plan.check_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, cfg, kv.device, _KV_DEVICE)
+    _check_stream(stream)
+    return cfg
+
+
+def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int = 4,
+                                   head_dim: Optional[int] = None, coff: int = 2,
+                                   total_comp: Optional[int] = None, stream=None,
+                                   validate: Optional[bool] = None) -> OpResult:
+    """Allocate ``out`` (total_comp, head_dim) bf16 and run the forward pooling; returns
+    ``{"out": out}``. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (a sync on CUDA); pass it
+    explicitly to stay sync-free and CUDA-graph capturable."""
+    cfg = _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream)
+    if total_comp is None:
+        total_comp = int(cu_seqlens_comp[-1])
+    total_comp = plan.check_rows("total_comp", total_comp, kv.shape[0], cfg)
+    out = torch.empty((total_comp, cfg.head_dim), dtype=torch.bfloat16, device=kv.device)
+    validate = plan.validate_requested(validate)
+    op = _cached_op(
+        ("forward", kv.device, cfg, validate),
+        lambda: CSACompressorForward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio,
+                                     coff=cfg.coff, head_dim=cfg.head_dim, validate=validate),
+    )
+    op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, "total_comp")
+    return OpResult(out=out)
+
+
+def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio: int = 4,
+                                    head_dim: Optional[int] = None, coff: int = 2, stream=None,
+                                    deterministic: bool = True, validate: Optional[bool] = None) -> OpResult:
+    """Allocate the gradients and run the backward pooling; returns
+    ``{"grad_kv", "grad_score", "grad_ape"}`` (also unpackable in that order). Gradients of
+    padding rows (``cu_seqlens_comp[-1] <= row < grad_out.shape[0]``) are ignored."""
+    cfg = _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream)
+    plan.check_row_operand("grad_out", grad_out, torch.bfloat16, cfg, kv.device)
+    plan.check_rows("grad_out.shape[0]", grad_out.shape[0], kv.shape[0], cfg)
+    deterministic = plan.check_flag("deterministic", deterministic)
+    grad_kv = torch.empty_like(kv)
+    grad_score = torch.empty_like(score)
+    grad_ape = torch.empty_like(ape)
+    validate = plan.validate_requested(validate)
+    op = _cached_op(
+        ("backward", kv.device, cfg, deterministic, validate),
+        lambda: CSACompressorBackward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                                      grad_ape, ratio=cfg.ratio, coff=cfg.coff, head_dim=cfg.head_dim,
+                                      deterministic=deterministic, validate=validate),
+    )
+    op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
+            "grad_out.shape[0]")
+    return OpResult(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)
