@@ -1,0 +1,45 @@
+"""Test markers and shared fixtures.
+
+``L0`` fast smoke tests run by default (``addopts = -m L0`` in pyproject.toml); ``L1`` is the full
+matrix (``pytest -m "L0 or L1" test/python``). ``gpu`` tests skip cleanly without CUDA.
+"""
+import logging
+
+import pytest
+import torch
+
+import csa_frontend.compressor.api as api
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "L0: fast smoke tests (run by default)")
+    config.addinivalue_line("markers", "L1: the full operator and reference matrix")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(monkeypatch):
+    """Each test starts with an empty operator cache, no validate env var and default
+    determinism settings, and leaves them so."""
+    monkeypatch.delenv("CSA_FRONTEND_VALIDATE", raising=False)
+    api.clear_op_cache()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    api.clear_op_cache()
+
+
+@pytest.fixture
+def csa_log(caplog):
+    caplog.set_level(logging.DEBUG, logger="csa_frontend")
+    return caplog
