@@ -1,8 +1,8 @@
 """grad_ape = sum of the backward's partial slabs, in slab order (deterministic, no atomics).
 
 Each CTA owns 32 consecutive grad_ape elements and splits the slab axis into ``SPLIT``
-contiguous chunks, one per warp; warp ``w`` sums chunk ``w`` in slab order, then lane-0 warp
-sums the chunk totals in warp order. The order depends only on the slab count, which the
+contiguous chunks, one per warp (16 warps keep each warp's chain of dependent loads short);
+warp ``w`` sums chunk ``w`` in slab order, then warp 0 sums the chunk totals in warp order. The order depends only on the slab count, which the
 schedule derives from the row count alone.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 ELEMS = 32
-SPLIT = 8
+SPLIT = 16
 
 
 class ApeReduce:

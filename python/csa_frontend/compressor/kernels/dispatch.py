@@ -44,8 +44,7 @@ def arch_of(device: torch.device) -> str:
 def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str] = None) -> Optional[str]:
     if arch is not None and arch not in SUPPORTED_ARCHS:
         return f"arch: fused kernels are built for {SUPPORTED_ARCHS}, got {arch}"
-    sched = choose_schedule(ratio, coff, head_dim)
-    if sched.family != "window":
+    if any(choose_schedule(ratio, coff, head_dim, dr).family != "window" for dr in ("fwd", "bwd")):
         return (f"ratio: a window of coff*ratio={coff * ratio} positions needs the streaming "
                 f"kernel family, which is not available yet")
     return None
@@ -136,7 +135,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[str]):
-    sched = choose_schedule(ratio, coff, head_dim)
+    sched = choose_schedule(ratio, coff, head_dim, direction)
     return (direction, arch, ratio, coff, head_dim, sched), sched
 
 
@@ -151,12 +150,10 @@ def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str
 
 
 class _on_stream:
-    """Run on ``stream``'s device and stream; a no-op context for the common default case."""
+    """Run on ``device`` and ``stream``; only entered when either differs from the current one."""
 
     def __init__(self, device: torch.device, stream: Optional[torch.cuda.Stream]):
-        self.ctx = []
-        if device.index is not None and device.index != torch.cuda.current_device():
-            self.ctx.append(torch.cuda.device(device))
+        self.ctx = [torch.cuda.device(device)]
         if stream is not None:
             self.ctx.append(torch.cuda.stream(stream))
 
@@ -169,30 +166,60 @@ class _on_stream:
             c.__exit__(*exc)
 
 
+#: (direction, device index, ratio, coff, head_dim) -> compiled kernels; skips the arch query
+#: and key building on the hot path (host time per call is what eager training loops feel).
+_by_device: Dict[Tuple, object] = {}
+
+
+def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, head_dim: int):
+    key = (direction, device.index, ratio, coff, head_dim)
+    fns = _by_device.get(key)
+    if fns is None:
+        build = compile_forward if direction == "fwd" else compile_backward
+        fns = build(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch_of(device))
+        _by_device[key] = fns
+    return fns
+
+
+def _needs_guard(device: torch.device, stream) -> bool:
+    return stream is not None or device.index != torch.cuda.current_device()
+
+
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
     if out.shape[0] == 0:
         return
-    arch = arch_of(kv.device)
-    fn = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-    with _on_stream(kv.device, stream):
+    fn = _kernels_for("fwd", kv.device, ratio, coff, head_dim)
+    if _needs_guard(kv.device, stream):
+        with _on_stream(kv.device, stream):
+            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    else:
         fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
 
 
-def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
-             ratio, coff, head_dim, deterministic=True, stream=None):
-    # deterministic=False takes the same fixed-order path: it is already as fast as the
-    # DRAM traffic allows, so no atomic variant is needed (the API still applies the guard).
-    arch = arch_of(kv.device)
-    main, reduce = compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-    sched = choose_schedule(ratio, coff, head_dim)
+def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
+                     grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
     rpt = bwd_rows_per_thread(n_rows, sched)
     groups = bwd_row_groups(n_rows, sched, rpt)
     zero_ctas = zero_fill_ctas(cu_seqlens.shape[0] - 1, sched)
-    with _on_stream(kv.device, stream):
-        slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
-        if groups == 0:
-            slab.zero_()
-        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
-             rpt, groups, zero_ctas)
-        reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1))
+    slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
+    if groups == 0:
+        slab.zero_()
+    main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
+         rpt, groups, zero_ctas)
+    reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1))
+
+
+def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
+             ratio, coff, head_dim, deterministic=True, stream=None):
+    # deterministic=False takes the same fixed-order path: no atomic variant is shipped (the
+    # API still applies the determinism guard to the flag).
+    main, reduce = _kernels_for("bwd", kv.device, ratio, coff, head_dim)
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+            grad_score, grad_ape, ratio, coff, head_dim)
+    if _needs_guard(kv.device, stream):
+        with _on_stream(kv.device, stream):
+            _launch_backward(*args)
+    else:
+        _launch_backward(*args)

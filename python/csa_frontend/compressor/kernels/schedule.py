@@ -12,17 +12,22 @@ each, coalesced along a token row) times ``row_lanes`` threads across output row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 #: Threads per CTA we aim for; 256 keeps 8 warps per CTA and leaves room for 2+ CTAs per SM.
 CTA_THREADS = 256
-#: Largest pooling window (coff * ratio positions) kept whole in registers, per vector width.
-#: Measured with ptxas for sm_90a: beyond these the window spills (see docs/csa_compressor.md).
-WINDOW_REGISTER_BUDGET = 64  # fp32 window values (positions x vec) a thread may hold per operand
-#: Backward CTAs we aim for before a thread starts walking several rows (a constant, not the
-#: SM count, so the fixed reduction order of grad_ape is the same on every GPU).
-BWD_TARGET_CTAS = 1024
-#: Cap on rows one backward thread walks; bounds the grad_ape partial-slab count from below.
-BWD_MAX_ROWS_PER_THREAD = 16
+#: fp32 window values (positions x vec) one thread may hold per operand, per direction.
+#: ptxas for sm_90a: r4/c2 at vec 8 (64 values) takes 144 registers forward and ~240 backward,
+#: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
+#: at 19-42% of the DRAM floor). 32 values (vec 4 for r4/c2) leaves room for 2-3 CTAs per SM.
+WINDOW_REGISTER_BUDGET = {"fwd": 32, "bwd": 32}
+#: Backward CTAs we aim for before a thread walks several rows: each CTA writes one grad_ape
+#: partial slab, so more CTAs mean more slab traffic and a longer fixed-order reduction (1536
+#: slabs cost 3x8192 r4 c1 d512 a third of its time). A constant, not the SM count, so the
+#: reduction order of grad_ape is the same on every GPU.
+BWD_TARGET_CTAS = 256
+#: Cap on rows one backward thread walks.
+BWD_MAX_ROWS_PER_THREAD = 32
 
 
 @dataclass(frozen=True)
@@ -52,19 +57,20 @@ def vector_width(head_dim: int) -> int:
     return 1
 
 
-def window_fits(ratio: int, coff: int, vec: int) -> bool:
-    return coff * ratio * vec <= WINDOW_REGISTER_BUDGET
+def window_fits(ratio: int, coff: int, vec: int, direction: str = "fwd") -> bool:
+    return coff * ratio * vec <= WINDOW_REGISTER_BUDGET[direction]
 
 
-def choose_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """The schedule for a configuration; depends only on static facts."""
+@lru_cache(maxsize=None)
+def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd") -> Schedule:
+    """The schedule for a configuration and direction; depends only on static facts."""
     vec = vector_width(head_dim)
     # Narrow the vector until the register window fits, but not below 4-byte accesses
     # (unless head_dim is odd); a window that still does not fit is streamed instead.
     narrow = vec
-    while narrow > 1 and not window_fits(ratio, coff, narrow):
+    while narrow > 1 and not window_fits(ratio, coff, narrow, direction):
         narrow //= 2
-    if window_fits(ratio, coff, narrow) and (narrow >= 2 or vec == 1):
+    if window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1):
         family, vec = "window", narrow
     else:
         family = "stream"
@@ -76,17 +82,11 @@ def choose_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
-    """Rows each backward thread walks: 1 until there are BWD_TARGET_CTAS CTAs, then more.
-
-    Fewer, longer-lived threads mean fewer grad_ape partial slabs to write and reduce; a power
-    of two keeps the choice a coarse bucket of the row count.
+    """Rows each backward thread walks: the power of two that brings the CTA count down to
+    about BWD_TARGET_CTAS (a coarse bucket of the row count, so few distinct reduction orders).
     """
-    per_cta_rows = sched.row_lanes
     rpt = 1
-    while (
-        rpt < BWD_MAX_ROWS_PER_THREAD
-        and n_rows >= 2 * rpt * per_cta_rows * BWD_TARGET_CTAS
-    ):
+    while rpt < BWD_MAX_ROWS_PER_THREAD and n_rows > rpt * sched.row_lanes * BWD_TARGET_CTAS:
         rpt *= 2
     return rpt
 

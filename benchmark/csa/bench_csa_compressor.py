@@ -1,0 +1,227 @@
+"""CSA compressor pooling: fused CuTe kernels vs eager PyTorch vs torch.compile, on one GPU.
+
+Per shape and direction it reports the CUDA-graph replay time per call (inputs rotated over
+enough copies that the working set exceeds the L2), the DRAM floor (bytes that must move /
+the device-to-device copy bandwidth measured in the same run), the fraction of the floor
+reached, and the host wall clock per call without graphs. Prints a table, writes JSON and a
+PNG chart.
+
+    python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|r128] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from csa_frontend.compressor import kernels
+from csa_frontend.compressor.reference import build_windows
+
+L2_BYTES = 60 << 20
+
+# (segments, seqlen, ratio, coff, head_dim); the rows of SPEC section 6 plus many-segment packs
+SHAPES = [
+    (1, 8192, 4, 2, 128), (3, 8192, 4, 2, 128), (3, 8192, 4, 2, 512), (1, 65536, 4, 2, 512),
+    (3, 8192, 4, 1, 512), (1, 8192, 128, 2, 128), (1, 131072, 128, 1, 128), (1, 65536, 128, 2, 512),
+    (1, 131072, 128, 2, 512), (512, 256, 4, 2, 512), (64, 1000, 4, 2, 128), (4, 8192, 16, 2, 256),
+    (1, 65536, 64, 1, 512),
+]
+
+
+def shape_name(s):
+    return f"{s[0]}x{s[1]} r{s[2]} c{s[3]} d{s[4]}"
+
+
+def traffic_bytes(n_tok, n_rows, coff, d, direction):
+    """Bytes that must move: fwd reads kv+score, writes out; bwd reads kv, score, grad_out and
+    writes grad_kv, grad_score (ape and offsets are negligible)."""
+    io = 2 * n_tok * coff * d * 2
+    rows = n_rows * d * 2
+    return io + rows if direction == "fwd" else 2 * io + rows
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth (read + write bytes) on a 1 GiB buffer."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(10):
+        dst.copy_(src)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 2 * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3)
+
+
+def make_problem(seg, seqlen, ratio, coff, d, copies):
+    lengths = [seqlen] * seg
+    cu = torch.tensor([0] + [seqlen * (i + 1) for i in range(seg)], dtype=torch.int32, device="cuda")
+    comp = torch.tensor([0] + [(seqlen // ratio) * (i + 1) for i in range(seg)], dtype=torch.int32,
+                        device="cuda")
+    n_tok, n_rows = sum(lengths), int(comp[-1])
+    sets = []
+    for _ in range(copies):
+        kv = torch.randn(n_tok, coff * d, device="cuda").to(torch.bfloat16)
+        score = (2 * torch.randn(n_tok, coff * d, device="cuda")).to(torch.bfloat16)
+        ape = 0.5 * torch.randn(ratio, coff * d, device="cuda")
+        g = torch.randn(n_rows, d, device="cuda").to(torch.bfloat16)
+        sets.append(dict(kv=kv, score=score, ape=ape, grad_out=g, out=torch.empty(n_rows, d, device="cuda",
+                         dtype=torch.bfloat16), gkv=torch.empty_like(kv), gs=torch.empty_like(score),
+                         gape=torch.empty_like(ape)))
+    return cu, comp, n_tok, n_rows, sets
+
+
+def eager_region(win, ratio, coff, d):
+    """The upstream eager region (what frameworks run today), indices precomputed."""
+    def fwd(kv, score, ape):
+        n_tok = kv.shape[0]
+        half = win.half.expand_as(win.token)
+        s = score.reshape(n_tok, coff, d)[win.token, half].float()
+        s = s + ape.reshape(ratio, coff, d)[win.ape_row, win.half]
+        valid = win.valid[:, :, None]
+        s = torch.where(valid, s, float("-inf"))
+        x = torch.where(valid, kv.reshape(n_tok, coff, d)[win.token, half], 0)
+        return (x * torch.softmax(s, dim=1).to(torch.bfloat16)).sum(dim=1)
+    return fwd
+
+
+def graph_time_us(fn_per_set, sets, reps=20):
+    """Median-free simple estimate: time per call over graph replays of all rotated sets."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for st in sets:
+            fn_per_set(st)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for st in sets:
+            fn_per_set(st)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        for _ in range(reps):
+            graph.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        times.append(ev[0].elapsed_time(ev[1]) * 1e3 / (reps * len(sets)))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def wall_us(fn, n=200):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def bench_shape(shape, bw, providers):
+    seg, seqlen, ratio, coff, d = shape
+    n_tok = seg * seqlen
+    per_set = traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd")
+    copies = max(1, min(8, -(-3 * L2_BYTES // per_set)))
+    cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
+    res = {"shape": shape_name(shape), "tokens": n_tok, "rows": n_rows}
+    kw = dict(ratio=ratio, coff=coff, head_dim=d)
+    reason = kernels.unsupported_reason(ratio, coff, d, "sm_90a")
+    for direction in ("fwd", "bwd"):
+        nbytes = traffic_bytes(n_tok, n_rows, coff, d, direction)
+        res[f"{direction}_floor_us"] = nbytes / bw * 1e6
+        if reason is None and "fused" in providers:
+            if direction == "fwd":
+                fn = lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw)
+            else:
+                fn = lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"],
+                                                 st["gkv"], st["gs"], st["gape"], **kw)
+            t = graph_time_us(fn, sets)
+            res[f"{direction}_fused_us"] = t
+            res[f"{direction}_fused_pct_floor"] = 100 * res[f"{direction}_floor_us"] / t
+            res[f"{direction}_fused_wall_us"] = wall_us(lambda: fn(sets[0]))
+    win = build_windows(cu, comp, ratio, coff, n_rows, torch.device("cuda"))
+    eager = eager_region(win, ratio, coff, d)
+    if "eager" in providers:
+        res["fwd_eager_us"] = graph_time_us(lambda st: eager(st["kv"], st["score"], st["ape"]), sets[:1], reps=5)
+        def eager_bwd(st):
+            kv, sc, ap = (st[k].detach().requires_grad_() for k in ("kv", "score", "ape"))
+            out = eager(kv, sc, ap)
+            torch.autograd.grad(out, (kv, sc, ap), st["grad_out"])
+        res["bwd_eager_us"] = graph_time_us(eager_bwd, sets[:1], reps=5) - res["fwd_eager_us"]
+    if "compile" in providers:
+        comp_fn = torch.compile(eager, dynamic=False)
+        res["fwd_compile_us"] = graph_time_us(lambda st: comp_fn(st["kv"], st["score"], st["ape"]), sets[:1], reps=5)
+    del sets
+    torch.cuda.empty_cache()
+    return res
+
+
+def chart(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["shape"] for r in results]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    xs = range(len(names))
+    for i, direction in enumerate(("fwd", "bwd")):
+        vals = [r.get(f"{direction}_fused_pct_floor", 0) for r in results]
+        ax.bar([x + 0.4 * i for x in xs], vals, width=0.4, label=f"fused {direction}")
+    ax.axhline(100, color="k", lw=0.8)
+    ax.axhline(85, color="r", lw=0.8, ls="--", label="85% target")
+    ax.set_xticks([x + 0.2 for x in xs])
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("% of DRAM floor (measured copy bandwidth)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="all", help="all, r4 (small-ratio rows) or a comma list of indices")
+    ap.add_argument("--providers", default="fused,eager")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes == "r4":
+        shapes = [s for s in SHAPES if s[2] <= 8]
+    elif args.shapes != "all":
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    providers = args.providers.split(",")
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for s in shapes:
+        r = bench_shape(s, bw, providers)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    hdr = f"{'shape':26s} {'fl fwd':>7s} {'fused':>7s} {'%fl':>5s} {'eager':>7s} | {'fl bwd':>7s} {'fused':>7s} {'%fl':>5s} {'eager':>7s} | wall fwd"
+    print(hdr)
+    for r in results:
+        f = lambda k: f"{r[k]:7.1f}" if k in r else "      -"
+        p = lambda k: f"{r[k]:5.0f}" if k in r else "    -"
+        print(f"{r['shape']:26s} {f('fwd_floor_us')} {f('fwd_fused_us')} {p('fwd_fused_pct_floor')} {f('fwd_eager_us')} | "
+              f"{f('bwd_floor_us')} {f('bwd_fused_us')} {p('bwd_fused_pct_floor')} {f('bwd_eager_us')} | {f('fwd_fused_wall_us')}")
+    meta = {"device": torch.cuda.get_device_name(), "copy_bw_TBps": bw / 1e12,
+            "date": time.strftime("%Y-%m-%d"), "results": results}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_csa_compressor.json"), "w") as fh:
+        json.dump(meta, fh, indent=1)
+    chart(results, os.path.join(args.out, "bench_csa_compressor.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Fused kernels vs the fp32-intermediate reference and the fp64 oracle, on the GPU.
+
+Skips cleanly without CUDA. Outputs are NaN-poisoned before every launch, so an element the
+kernel forgets shows up as NaN (inputs are finite), and never-consumed gradient slots must
+come back as exact zeros because the reference has exact zeros there.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csa_frontend.compressor import kernels
+from csa_frontend.compressor.reference import reference_backward, reference_forward
+
+from .packs import edge_lengths, offsets, random_inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BF16_EPS = 2.0 ** -8  # one bf16 rounding step, relative
+
+
+def run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total_comp):
+    out = torch.full((total_comp, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=head_dim)
+    return out
+
+
+def run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim):
+    gkv = torch.full_like(kv, float("nan"))
+    gs = torch.full_like(score, float("nan"))
+    gape = torch.full_like(ape, float("nan"))
+    kernels.backward(kv, score, ape, cu, comp, grad_out, gkv, gs, gape,
+                     ratio=ratio, coff=coff, head_dim=head_dim)
+    return gkv, gs, gape
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_oracle_parity(name, got, ref, oracle):
+    e_got, e_ref = max_err(got, oracle), max_err(ref, oracle)
+    assert e_got <= e_ref * (1 + 1e-6) + 1e-4, f"{name}: err {e_got} vs reference err {e_ref}"
+
+
+def assert_within_one_step(got, ref):
+    diff = (got.float() - ref.float()).abs()
+    tol = ref.float().abs() * BF16_EPS + 1e-30
+    assert torch.all(diff <= tol), f"max diff {diff.max().item()}"
+
+
+def check_config(ratio, coff, head_dim, lengths, pad_rows=0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu, comp = offsets(lengths, ratio)
+    n_tok = int(cu[-1]) + 3  # tokens past the last segment must get zero gradients
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + pad_rows
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
+    assert not torch.isnan(out).any(), "forward left elements unwritten"
+    assert_within_one_step(out, ref)
+    oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
+    assert_oracle_parity("out", out, ref, oracle)
+
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    gkv, gs, gape = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+    rkv, rs, rape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff)
+    for name, got in (("grad_kv", gkv), ("grad_score", gs), ("grad_ape", gape)):
+        assert not torch.isnan(got).any(), f"{name}: elements left unwritten"
+    assert torch.equal(gkv, rkv), f"grad_kv differs in {(gkv != rkv).sum().item()} elements"
+    assert torch.equal(gs, rs), f"grad_score differs in {(gs != rs).sum().item()} elements"
+    torch.testing.assert_close(gape, rape, rtol=1e-5, atol=1e-5 * rape.abs().max().item())
+    okv, os_, oape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, mode="fp64")
+    assert_oracle_parity("grad_kv", gkv, rkv, okv)
+    assert_oracle_parity("grad_score", gs, rs, os_)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", [4])
+@pytest.mark.parametrize("head_dim", [128])
+def test_smoke(ratio, coff, head_dim):
+    check_config(ratio, coff, head_dim, edge_lengths(ratio), pad_rows=2)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("head_dim", [64, 65, 128, 512])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 8])
+def test_matrix(ratio, coff, head_dim):
+    check_config(ratio, coff, head_dim, edge_lengths(ratio), pad_rows=3, seed=ratio * 10 + coff)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (2, 2, 4096)])
+def test_larger_packs(ratio, coff, head_dim):
+    lengths = [1000, 37, 4096 + 3, 0, 2, 777]
+    check_config(ratio, coff, head_dim, lengths, pad_rows=5, seed=7)
+
+
+@pytest.mark.L1
+def test_many_short_segments():
+    check_config(4, 2, 128, [13, 4, 0, 7, 3, 8, 256] * 70, pad_rows=0, seed=11)
+
+
+@pytest.mark.L1
+def test_padding_gradients_ignored():
+    ratio, coff, d = 4, 2, 128
+    cu, comp = offsets([33, 17], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, d)
+    used = int(comp[-1])
+    grad_out = torch.randn(used + 6, d, device="cuda").to(torch.bfloat16)
+    a = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, d)
+    grad_out[used:] = 1e4  # padding rows' incoming gradients must not matter
+    b = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, d)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.L1
+def test_empty_output():
+    ratio, coff, d = 4, 2, 64
+    cu, comp = offsets([3, 2], ratio)  # every segment shorter than ratio: no rows
+    kv, score, ape = random_inputs(5, ratio, coff, d)
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, d, 0)
+    assert out.shape == (0, d)
+    gkv, gs, gape = run_backward(kv, score, ape, cu, comp, out.new_zeros(0, d), ratio, coff, d)
+    assert torch.all(gkv == 0) and torch.all(gs == 0) and torch.all(gape == 0)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("coff", [1, 2])
+def test_bitwise_deterministic(coff):
+    ratio, d = 4, 256
+    cu, comp = offsets([8192, 1001, 3000], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, d)
+    grad_out = torch.randn(int(comp[-1]), d, device="cuda").to(torch.bfloat16)
+    first = None
+    for _ in range(20):
+        res = (run_forward(kv, score, ape, cu, comp, ratio, coff, d, int(comp[-1])),
+               *run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, d))
+        if first is None:
+            first = res
+        for a, b in zip(first, res):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.L1
+def test_cuda_graph_replay():
+    ratio, coff, d = 4, 2, 128
+    cu, comp = offsets([300, 77, 1024], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, d)
+    total = int(comp[-1])
+    grad_out = torch.randn(total, d, device="cuda").to(torch.bfloat16)
+    out = torch.empty(total, d, device="cuda", dtype=torch.bfloat16)
+    gkv, gs, gape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+
+    def step():
+        kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=d)
+        kernels.backward(kv, score, ape, cu, comp, grad_out, gkv, gs, gape, ratio=ratio, coff=coff,
+                         head_dim=d)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up compiles
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        nkv, nscore, nape = random_inputs(int(cu[-1]), ratio, coff, d,
+                                          generator=torch.Generator(device="cuda").manual_seed(seed))
+        kv.copy_(nkv), score.copy_(nscore), ape.copy_(nape)
+        grad_out.copy_(torch.randn_like(grad_out, dtype=torch.float32).to(torch.bfloat16))
+        out.fill_(float("nan")), gkv.fill_(float("nan")), gs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_within_one_step(out, reference_forward(kv, score, ape, cu, comp, ratio, coff))
+        rkv, rs, _ = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff)
+        assert torch.equal(gkv, rkv) and torch.equal(gs, rs)
+
+
+@pytest.mark.L1
+def test_compile_under_capture_raises():
+    ratio, coff, d = 5, 1, 96  # a configuration no other test compiles
+    cu, comp = offsets([50], ratio)
+    kv, score, ape = random_inputs(50, ratio, coff, d)
+    out = torch.empty(10, d, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.graph(graph):
+            kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=d)
