@@ -260,20 +260,24 @@ class CSACompressorBackward(_CompressorOp):
 
 _op_cache: "OrderedDict[Hashable, _CompressorOp]" = OrderedDict()
 _op_cache_lock = threading.Lock()
+_op_build_lock = threading.Lock()
 
 
 def _cached_op(key: Hashable, build: Callable[[], _CompressorOp]) -> _CompressorOp:
-    """LRU lookup of a compiled operator; built and compiled outside the lock (a compile may take
-    seconds, and the kernels' own cache makes concurrent compiles of one config safe)."""
+    """LRU lookup of a compiled operator. Misses build under a second lock, so concurrent first
+    calls of one configuration compile it once while hits never wait for a compile."""
     with _op_cache_lock:
         op = _op_cache.get(key)
         if op is not None:
             _op_cache.move_to_end(key)
             return op
-    op = build()
-    op.compile()
+    with _op_build_lock:
+        op = _op_cache.get(key)
+        if op is None:
+            op = build()
+            op.compile()
     with _op_cache_lock:
-        op = _op_cache.setdefault(key, op)
+        _op_cache[key] = op
         _op_cache.move_to_end(key)
         while len(_op_cache) > OP_CACHE_SIZE:
             _op_cache.popitem(last=False)
