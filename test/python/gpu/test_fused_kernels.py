@@ -19,7 +19,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-BF16_EPS = 2.0 ** -8  # one bf16 rounding step, relative
 
 
 def run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total_comp):
@@ -47,9 +46,15 @@ def assert_oracle_parity(name, got, ref, oracle):
 
 
 def assert_within_one_step(got, ref):
-    diff = (got.float() - ref.float()).abs()
-    tol = ref.float().abs() * BF16_EPS + 1e-30
-    assert torch.all(diff <= tol), f"max diff {diff.max().item()}"
+    """Every element at most one bf16 step (the spacing at |ref|) away, and at most
+    max(1, 0.1%) of the elements differ at all."""
+    ref = ref.float()
+    _, exp = torch.frexp(ref)
+    step = torch.ldexp(torch.ones_like(ref), exp - 8)  # bf16 keeps 8 significant bits
+    diff = (got.float() - ref).abs()
+    assert torch.all(diff <= step), f"max diff {diff.max().item()}"
+    n_diff = int((diff > 0).sum())
+    assert n_diff <= max(1, ref.numel() // 1000), f"{n_diff} of {ref.numel()} elements differ"
 
 
 def check_config(ratio, coff, head_dim, lengths, pad_rows=0, seed=0):
