@@ -1,0 +1,147 @@
+"""The operator API on CUDA tensors: classes, wrappers, streams, on-device validation, CUDA graphs
+and ``csa_compress``, against the fp32 reference run on the same GPU (kernel-level numerics live
+in ``test/python/gpu``). A configuration the fused kernels do not serve must be refused by
+``check_support`` with a RuntimeError; such cases assert that and skip."""
+import pytest
+import torch
+
+from csa_frontend import (CSACompressorBackward, CSACompressorForward, csa_compress,
+                          csa_compressor_backward_wrapper, csa_compressor_forward_wrapper)
+from csa_frontend.compressor.reference import reference_backward, reference_forward
+from csa_testing import BF16_STEP, make_kind, make_pack, max_abs_err
+
+pytestmark = pytest.mark.gpu
+
+
+def _supported_or_skip(pack):
+    """Plan the forward; a refused configuration must say why, then the test skips."""
+    out = torch.empty(pack.total_comp, pack.head_dim, dtype=torch.bfloat16, device="cuda")
+    op = CSACompressorForward(*pack.inputs, out, ratio=pack.ratio, coff=pack.coff)
+    try:
+        op.check_support()
+    except RuntimeError as err:
+        assert "no fused kernel" in str(err)
+        pytest.skip(str(err))
+    return op
+
+
+def _assert_matches_reference(pack, out, grads):
+    ref = reference_forward(*pack.inputs, pack.ratio, pack.coff, pack.total_comp)
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= BF16_STEP * ref.float().abs()).all()), "out beyond one bf16 step"
+    ref_grads = reference_backward(*pack.inputs, pack.grad_out, pack.ratio, pack.coff)
+    oracle = reference_backward(*pack.inputs, pack.grad_out, pack.ratio, pack.coff, mode="fp64")
+    for name, got, want, exact in zip(("grad_kv", "grad_score"), grads, ref_grads, oracle):
+        assert max_abs_err(got, exact) <= max_abs_err(want, exact) * (1 + 1e-6) + 1e-4, name
+        assert int((got != want).sum()) <= max(1, got.numel() // 1000), name
+    torch.testing.assert_close(grads[2], ref_grads[2], rtol=1e-5, atol=1e-5 * float(ref_grads[2].abs().max()))
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("ratio,coff,head_dim,kind", [(4, 2, 128, "ragged"), (4, 1, 64, "padding"),
+                                                      (3, 2, 65, "short"), (128, 2, 128, "empty"),
+                                                      (16, 2, 256, "padding")])
+def test_class_and_wrapper_on_cuda(ratio, coff, head_dim, kind):
+    pack = make_kind(kind, ratio, coff, head_dim, seed=ratio, device="cuda")
+    fwd = _supported_or_skip(pack)
+    fwd.compile()
+    out = torch.full((pack.total_comp, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fwd.execute(*pack.inputs, out)
+    grads = [torch.full_like(t, float("nan")) for t in (pack.kv, pack.score, pack.ape)]
+    bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, ratio=ratio, coff=coff)
+    bwd.compile()
+    bwd.execute(*pack.inputs, pack.grad_out, *grads)
+    _assert_matches_reference(pack, out, grads)
+
+    wrapped = csa_compressor_forward_wrapper(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    assert torch.equal(wrapped["out"], out)
+    for got, want in zip(csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff), grads):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.L0
+def test_side_stream_and_meta_planning():
+    pack = make_pack([300, 0, 77, 1024], 4, 2, 128, extra_rows=2, device="cuda")
+    _supported_or_skip(pack)
+    out = torch.empty(pack.total_comp, 128, dtype=torch.bfloat16, device="cuda")
+    meta = [t.to("meta") for t in (*pack.inputs, out)]
+    op = CSACompressorForward(*meta, ratio=4, coff=2)  # plans for the current CUDA device
+    op.compile()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    op.execute(*pack.inputs, out, current_stream=side)
+    torch.cuda.current_stream().wait_stream(side)
+    expected = csa_compressor_forward_wrapper(*pack.inputs, ratio=4, total_comp=pack.total_comp)["out"]
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.L0
+def test_validate_checks_offsets_on_device(monkeypatch):
+    pack = make_pack([9, 6, 13], 4, 2, 64, device="cuda")
+    _supported_or_skip(pack)
+    bad = pack.cu_seqlens_comp.clone()
+    bad[2] += 1
+    args = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, bad)
+    with pytest.raises(ValueError, match=r"cu_seqlens_comp: expected cu_seqlens_comp\[2\] == 3"):
+        csa_compressor_forward_wrapper(*args, ratio=4, total_comp=pack.total_comp + 1, validate=True)
+    monkeypatch.setenv("CSA_FRONTEND_VALIDATE", "1")
+    with pytest.raises(ValueError, match="cu_seqlens_comp"):
+        csa_compressor_forward_wrapper(*args, ratio=4, total_comp=pack.total_comp + 1)
+
+
+@pytest.mark.L0
+def test_mixed_devices_are_rejected():
+    pack = make_pack([9, 6], 4, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"ape: expected device cuda:\d \(the device of kv\), got cpu"):
+        csa_compressor_forward_wrapper(pack.kv, pack.score, pack.ape.cpu(), pack.cu_seqlens, pack.cu_seqlens_comp)
+
+
+@pytest.mark.L0
+def test_csa_compress_autograd_on_cuda():
+    pack = make_pack([517, 1000, 33], 4, 2, 128, extra_rows=1, device="cuda")
+    _supported_or_skip(pack)
+    leaves = [t.clone().requires_grad_() for t in (pack.kv, pack.score, pack.ape)]
+    out = csa_compress(*leaves, pack.cu_seqlens, pack.cu_seqlens_comp, total_comp=pack.total_comp)
+    (out.float() * pack.grad_out.float()).sum().backward()
+    grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4)
+    for leaf, want in zip(leaves, grads):
+        assert torch.equal(leaf.grad, want)
+
+
+@pytest.mark.L1
+def test_wrappers_capture_in_a_cuda_graph():
+    pack = make_pack([300, 77, 1024], 4, 2, 128, extra_rows=3, device="cuda")
+    _supported_or_skip(pack)
+    expected = csa_compressor_forward_wrapper(*pack.inputs, ratio=4, total_comp=pack.total_comp)["out"]  # warm-up
+    csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = csa_compressor_forward_wrapper(*pack.inputs, ratio=4, total_comp=pack.total_comp)["out"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.L1
+def test_compile_under_capture_is_a_clear_error():
+    pack = make_pack([50], 5, 1, 96, device="cuda")
+    _supported_or_skip(pack)
+    out = torch.empty(pack.total_comp, 96, dtype=torch.bfloat16, device="cuda")
+    op = CSACompressorForward(*pack.inputs, out, ratio=5, coff=1)
+    op.check_support()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.graph(graph):
+            op.compile()
+
+
+@pytest.mark.L1
+def test_atomic_grad_ape_path_under_warn_only_determinism():
+    pack = make_pack([517, 1000, 33], 4, 2, 128, device="cuda")
+    _supported_or_skip(pack)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="deterministic=False"):
+        fast = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4, deterministic=False)
+    exact = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4)
+    assert torch.equal(fast["grad_kv"], exact["grad_kv"]) and torch.equal(fast["grad_score"], exact["grad_score"])
+    torch.testing.assert_close(fast["grad_ape"], exact["grad_ape"], rtol=1e-5, atol=1e-4)
