@@ -199,3 +199,77 @@ def test_compile_under_capture_raises():
     with pytest.raises(RuntimeError, match="capture"):
         with torch.cuda.graph(graph):
             kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=d)
+
+
+# ---- stream family (windows too wide for registers): tolerance contract, not bitwise ----
+
+def assert_contract(name, got, ref, oracle):
+    """Differing elements <= max(1, 0.1%), max abs diff <= 1.6e-2, and oracle parity."""
+    diff = (got.double() - ref.double()).abs()
+    n_diff = int((diff > 0).sum())
+    assert n_diff <= max(1, ref.numel() // 1000), f"{name}: {n_diff} of {ref.numel()} differ"
+    assert diff.max().item() <= 1.6e-2 if diff.numel() else True, f"{name}: max diff {diff.max().item()}"
+    assert_oracle_parity(name, got, ref, oracle)
+
+
+def check_stream_config(ratio, coff, head_dim, lengths, pad_rows=2, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu, comp = offsets(lengths, ratio)
+    n_tok = int(cu[-1]) + 5
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + pad_rows
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    assert not torch.isnan(out).any(), "forward left elements unwritten"
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
+    oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
+    assert_contract("out", out, ref, oracle)
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    gkv, gs, gape = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+    for name, t in (("grad_kv", gkv), ("grad_score", gs), ("grad_ape", gape)):
+        assert not torch.isnan(t).any(), f"{name}: elements left unwritten"
+    rkv, rs, rape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff)
+    okv, os_, oape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, mode="fp64")
+    # never-consumed slots are exact zeros in the reference: they must be exact zeros here too
+    unconsumed = (rkv == 0) & (rs == 0)
+    assert torch.all(gkv[unconsumed] == 0) and torch.all(gs[unconsumed] == 0)
+    assert_contract("grad_kv", gkv, rkv, okv)
+    assert_contract("grad_score", gs, rs, os_)
+    torch.testing.assert_close(gape, rape, rtol=1e-4, atol=1e-4 * rape.abs().max().item())
+
+
+def stream_edge_lengths(ratio):
+    return [ratio + 1, 0, ratio - 1, 3 * ratio + 7, ratio, 1, 2 * ratio]
+
+
+@pytest.mark.L0
+def test_stream_smoke():
+    check_stream_config(128, 2, 128, stream_edge_lengths(128))
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 512])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", [16, 32, 64, 128, 200, 256])
+def test_stream_matrix(ratio, coff, head_dim):
+    check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio), seed=ratio + coff)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(8, 2, 65), (33, 2, 66), (256, 1, 4096)])
+def test_stream_odd_and_wide(ratio, coff, head_dim):
+    check_stream_config(ratio, coff, head_dim, [3 * ratio + 1, ratio - 1, 2 * ratio], seed=3)
+
+
+@pytest.mark.L1
+def test_stream_deterministic():
+    ratio, coff, d = 128, 2, 256
+    cu, comp = offsets([8192, 3000], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, d)
+    grad_out = torch.randn(int(comp[-1]), d, device="cuda").to(torch.bfloat16)
+    first = None
+    for _ in range(10):
+        res = (run_forward(kv, score, ape, cu, comp, ratio, coff, d, int(comp[-1])),
+               *run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, d))
+        first = first or res
+        for a, b in zip(first, res):
+            assert torch.equal(a, b)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -124,3 +124,112 @@ def store_zeros(gT: cute.Tensor, tok: Int32, colt: Int32, vec: cutlass.Constexpr
     z = cute.make_rmem_tensor((vec,), dtype)
     z.fill(0.0)
     gT[(0, None), (tok, colt)].store(z.load())
+
+
+@cute.jit
+def load_chunk(
+    gKV: cute.Tensor,
+    gS: cute.Tensor,
+    gA: cute.Tensor,
+    rS: cute.Tensor,
+    rX: cute.Tensor,
+    own0: Int32,
+    has_prev: cutlass.Boolean,
+    cv: Int32,
+    k0: Int32,
+    chunk: cutlass.Constexpr,
+    ratio: cutlass.Constexpr,
+    coff: cutlass.Constexpr,
+    n_vec: cutlass.Constexpr,
+    vec: cutlass.Constexpr,
+):
+    """Like ``load_window`` for the positions ``[k0, k0+chunk)`` of the window (stream family).
+
+    Positions past the window end and invalid previous-block positions read nothing and
+    come back as score -inf / kv 0, which the softmax merge turns into zero weight.
+    """
+    for i in cutlass.range_constexpr(chunk):
+        k = k0 + i
+        tok = own0 + k
+        colt = cv
+        arow = k
+        ok = k < coff * ratio
+        if cutlass.const_expr(coff == 2):
+            if k < ratio:
+                tok = own0 - ratio + k
+                ok = ok and has_prev
+            else:
+                tok = own0 + k - ratio
+                colt = cv + n_vec
+                arow = k - ratio
+        if ok:
+            kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
+            scv = gS[(0, None), (tok, colt)].load().to(Float32)
+            apv = gA[(0, None), (arow, colt)].load()
+            for v in cutlass.range_constexpr(vec):
+                rS[i, v] = scv[v] + apv[v]
+                rX[i, v] = kvv[v]
+        else:
+            for v in cutlass.range_constexpr(vec):
+                rS[i, v] = -Float32.inf
+                rX[i, v] = Float32(0.0)
+
+
+@cute.jit
+def safe_max(m: Float32) -> Float32:
+    """The max to subtract: 0 for an all -inf set, so exp(-inf - 0) = 0 instead of NaN."""
+    r = m
+    if m == -Float32.inf:
+        r = Float32(0.0)
+    return r
+
+
+@cute.jit
+def chunk_partials(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, chunk: cutlass.Constexpr):
+    """(max, sum exp(s - max), sum kv * exp(s - max)) of one column of a chunk."""
+    m = rS[0, v]
+    for i in cutlass.range_constexpr(1, chunk):
+        m = cute.arch.fmax(m, rS[i, v])
+    ms = safe_max(m)
+    den = Float32(0.0)
+    acc = Float32(0.0)
+    for i in cutlass.range_constexpr(chunk):
+        e = cute.math.exp(rS[i, v] - ms)
+        den = den + e
+        acc = acc + mul_rn(rX[i, v], e)
+    return m, den, acc
+
+
+@cute.jit
+def merge_chunks(sM: cute.Tensor, sL: cute.Tensor, sA: cute.Tensor, c: Int32, col: Int32,
+                 n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Fixed-order tree merge of per-chunk softmax partials in shared memory; the result lands
+    in chunk slot 0. ``sM/sL/sA[c, col*vec + v]`` hold (max, sum, acc) of chunk ``c``. The tree
+    shape depends only on ``n_chunks``, so the bits are reproducible. Ends with a barrier."""
+    step = 1
+    while step < n_chunks:
+        if c % (2 * step) == 0 and c + step < n_chunks:
+            for v in cutlass.range_constexpr(vec):
+                j = col * vec + v
+                m1 = sM[c, j]
+                m2 = sM[c + step, j]
+                m = cute.arch.fmax(m1, m2)
+                ms = safe_max(m)
+                w1 = cute.math.exp(m1 - ms)
+                w2 = cute.math.exp(m2 - ms)
+                sM[c, j] = m
+                sL[c, j] = mul_rn(sL[c, j], w1) + mul_rn(sL[c + step, j], w2)
+                sA[c, j] = mul_rn(sA[c, j], w1) + mul_rn(sA[c + step, j], w2)
+        cute.arch.sync_threads()
+        step = step * 2
+
+
+@cute.jit
+def zero_tokens(gGKV: cute.Tensor, gGS: cute.Tensor, begin: Int32, end: Int32, step: Int32, cv: Int32,
+                coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Exact zeros in column slice ``cv`` (both halves) of tokens ``begin, begin+step, ... < end``."""
+    n = (end - begin + step - 1) // step
+    for j in cutlass.range(n, unroll=1):
+        for half in cutlass.range_constexpr(coff):
+            store_zeros(gGKV, begin + j * step, cv + half * n_vec, vec, BFloat16)
+            store_zeros(gGS, begin + j * step, cv + half * n_vec, vec, BFloat16)

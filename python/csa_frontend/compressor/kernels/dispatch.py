@@ -44,9 +44,6 @@ def arch_of(device: torch.device) -> str:
 def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str] = None) -> Optional[str]:
     if arch is not None and arch not in SUPPORTED_ARCHS:
         return f"arch: fused kernels are built for {SUPPORTED_ARCHS}, got {arch}"
-    if any(choose_schedule(ratio, coff, head_dim, dr).family != "window" for dr in ("fwd", "bwd")):
-        return (f"ratio: a window of coff*ratio={coff * ratio} positions needs the streaming "
-                f"kernel family, which is not available yet")
     return None
 
 
@@ -108,10 +105,11 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .stream_fwd import StreamForward
     from .window_fwd import WindowForward
 
     f = _fake_tensors(ratio, coff, head_dim)
-    op = WindowForward(ratio, coff, head_dim, sched)
+    op = (WindowForward if sched.family == "window" else StreamForward)(ratio, coff, head_dim, sched)
     return cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"],
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=_options(arch))
 
@@ -122,11 +120,12 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     from cutlass.cute.runtime import make_fake_stream
 
     from .ape_reduce import ApeReduce
+    from .stream_bwd import StreamBackward
     from .window_bwd import WindowBackward
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    op = WindowBackward(ratio, coff, head_dim, sched)
+    op = (WindowBackward if sched.family == "window" else StreamBackward)(ratio, coff, head_dim, sched)
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))

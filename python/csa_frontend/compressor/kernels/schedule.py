@@ -35,11 +35,12 @@ BWD_MAX_ROWS_PER_THREAD = 32
 class Schedule:
     """Static launch facts of one compiled kernel (part of the compile key)."""
 
-    family: str  # "window": whole window in registers; "stream": window streamed in chunks
+    family: str  # "window": whole window in registers; "stream": window split in chunks
     vec: int  # elements per thread access along head_dim (8 -> 16-byte bf16 accesses)
     col_threads: int  # threads across head_dim in one CTA
-    row_lanes: int  # threads across output rows in one CTA
-    col_tiles: int  # CTAs across head_dim (head_dim / vec > CTA_THREADS)
+    row_lanes: int  # window family: threads across output rows; stream family: window chunks
+    col_tiles: int  # CTAs across head_dim
+    chunk: int = 0  # stream family: window positions per thread
 
     @property
     def threads(self) -> int:
@@ -71,18 +72,38 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
     narrow = vec
     while narrow > 1 and not window_fits(ratio, coff, narrow, direction):
         narrow //= 2
-    if window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1):
-        family, vec = "window", narrow
-    else:
-        family = "stream"
+    if not (window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1)):
+        return _stream_schedule(ratio, coff, head_dim, vec, direction)
+    vec = narrow
     n_vec = head_dim // vec
     col_threads = min(n_vec, CTA_THREADS)
     col_tiles = -(-n_vec // col_threads)
     row_lanes = max(1, CTA_THREADS // col_threads)
-    return Schedule(family, vec, col_threads, row_lanes, col_tiles)
+    return Schedule("window", vec, col_threads, row_lanes, col_tiles)
+
+
+#: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
+#: one row's whole window (n_chunks lanes) for col_threads column slices. Backward keeps twice
+#: the state per value (p, gradients, grad_ape partials): at 32 values it spilled (ptxas, 128
+#: registers at 512 threads), at 16 it does not.
+STREAM_CHUNK_VALUES = {"fwd": 32, "bwd": 16}
+STREAM_CTA_THREADS = 512
+
+
+def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str) -> Schedule:
+    vec = min(vec, 4)
+    chunk = max(1, STREAM_CHUNK_VALUES[direction] // vec)
+    n_chunks = -(-coff * ratio // chunk)
+    n_vec = head_dim // vec
+    col_threads = max(1, min(n_vec, STREAM_CTA_THREADS // n_chunks))
+    col_tiles = -(-n_vec // col_threads)
+    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
+    if sched.family == "stream":
+        # one row at a time per CTA: walk enough rows that about BWD_TARGET_CTAS/2 CTAs remain
+        return max(1, -(-n_rows * sched.col_tiles // (BWD_TARGET_CTAS // 2)))
     """Rows each backward thread walks: the fewest that bring the CTA count down to
     BWD_TARGET_CTAS (at most BWD_MAX_ROWS_PER_THREAD)."""
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
@@ -91,7 +112,7 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
 
 def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
     """Number of grad_ape partial slabs (one per CTA row group)."""
-    rows_per_cta = sched.row_lanes * rows_per_thread
+    rows_per_cta = rows_per_thread if sched.family == "stream" else sched.row_lanes * rows_per_thread
     return -(-n_rows // rows_per_cta)
 
 

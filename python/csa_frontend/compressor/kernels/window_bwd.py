@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import find_segment, load_window, mul_rn, softmax_column, store_zeros
+from .common import find_segment, load_window, mul_rn, softmax_column, store_zeros, zero_tokens
 from .schedule import Schedule
 
 
@@ -127,7 +127,7 @@ class WindowBackward:
                             for i in cutlass.range_constexpr(ratio):
                                 store_zeros(gGKV, own0 + i, cv, vec, BFloat16)
                                 store_zeros(gGS, own0 + i, cv, vec, BFloat16)
-                        self.zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], cv)
+                        zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], 1, cv, coff, n_vec, vec)
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
@@ -136,21 +136,9 @@ class WindowBackward:
                 seg = zb * lanes + lane
                 if seg < n_seg:
                     if mCuC[seg + 1] == mCuC[seg]:
-                        self.zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], cv)
-                stride = zero_ctas * lanes
-                first = mCu[n_seg] + zb * lanes + lane
-                n_tok = mKV.shape[0]
-                n_left = (n_tok - first + stride - 1) // stride
-                for j in cutlass.range(n_left, unroll=1):
-                    self.zero_tokens(gGKV, gGS, first + j * stride, first + j * stride + 1, cv)
-
-    @cute.jit
-    def zero_tokens(self, gGKV, gGS, begin: Int32, end: Int32, cv: Int32):
-        """Exact zeros in this thread's column slices of tokens ``[begin, end)``."""
-        for tok in cutlass.range(begin, end, unroll=1):
-            for half in cutlass.range_constexpr(self.coff):
-                store_zeros(gGKV, tok, cv + half * self.n_vec, self.vec, BFloat16)
-                store_zeros(gGS, tok, cv + half * self.n_vec, self.vec, BFloat16)
+                        zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
+                zero_tokens(gGKV, gGS, mCu[n_seg] + zb * lanes + lane, mKV.shape[0], zero_ctas * lanes,
+                            cv, coff, n_vec, vec)
 
     @cute.jit
     def reduce_lanes(self, rPart, mSlab, bx, by, tidx, cvl, lane):

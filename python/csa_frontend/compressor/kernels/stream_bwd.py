@@ -1,0 +1,160 @@
+"""Stream-family backward: a CTA walks ``rows_per_cta`` rows, each row's window split in chunks.
+
+Per row: every thread loads its chunk once, the chunks' (max, sum, sum e*kv) partials merge
+in the forward's fixed tree, and each thread then forms ``p = exp(s - max) / den`` and the
+gradients of its own positions (``S = sum_k p_k dp_k`` is ``g * sum_k e_k kv_k / den``). A
+thread owns fixed window positions and columns across all the CTA's rows, so its grad_ape
+partials stay in registers and go straight to this row group's slab; ``ape_reduce`` sums
+the slabs in order. Zero-filling follows the register-window backward.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .common import (chunk_partials, find_segment, load_chunk, merge_chunks, mul_rn, safe_max,
+                     zero_tokens)
+from .schedule import Schedule
+from .stream_fwd import partial_buffers
+
+
+class StreamBackward:
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
+        assert sched.family == "stream"
+        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
+        self.vec = sched.vec
+        self.n_vec = head_dim // sched.vec
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mGO: cute.Tensor,  # (total_comp, d) bf16
+        mGKV: cute.Tensor,  # (T, coff*d) bf16
+        mGS: cute.Tensor,  # (T, coff*d) bf16
+        mSlab: cute.Tensor,  # (row_groups, ratio, coff*d) fp32 partial grad_ape
+        rows_per_cta: Int32,
+        row_groups: Int32,
+        zero_ctas: Int32,
+        stream,
+    ):
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+                    rows_per_cta, row_groups, zero_ctas).launch(
+            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+               rows_per_cta, row_groups, zero_ctas):
+        ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
+        width = coff * ratio
+        ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        col = tidx % ct
+        c = tidx // ct
+        cv = by * ct + col
+        col_ok = cv < n_vec
+        n_seg = mCu.shape[0] - 1
+        k0 = c * chunk
+        gKV = cute.zipped_divide(mKV, (1, vec))
+        gS = cute.zipped_divide(mS, (1, vec))
+        gA = cute.zipped_divide(mApe, (1, vec))
+        gGKV = cute.zipped_divide(mGKV, (1, vec))
+        gGS = cute.zipped_divide(mGS, (1, vec))
+        gGO = cute.zipped_divide(mGO, (1, vec))
+        if bx < row_groups:
+            sM, sL, sA = partial_buffers(n_chunks, ct * vec)
+            rPart = cute.make_rmem_tensor((chunk, vec), Float32)
+            rPart.fill(0.0)
+            n_real = mCuC[n_seg]
+            for it in cutlass.range(rows_per_cta, unroll=1):
+                row = bx * rows_per_cta + it
+                if row < n_real:
+                    seg = find_segment(mCuC, n_seg, row)
+                    t0 = mCu[seg]
+                    blk = row - mCuC[seg]
+                    own0 = t0 + blk * ratio
+                    rS = cute.make_rmem_tensor((chunk, vec), Float32)
+                    rX = cute.make_rmem_tensor((chunk, vec), Float32)
+                    rG = cute.make_rmem_tensor((vec,), Float32)
+                    rS.fill(-Float32.inf)
+                    rX.fill(0.0)
+                    rG.fill(0.0)
+                    if col_ok:
+                        load_chunk(gKV, gS, gA, rS, rX, own0, blk > 0, cv, k0, chunk, ratio, coff, n_vec, vec)
+                        rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
+                    for v in cutlass.range_constexpr(vec):
+                        m, den, acc = chunk_partials(rS, rX, v, chunk)
+                        sM[c, col * vec + v] = m
+                        sL[c, col * vec + v] = den
+                        sA[c, col * vec + v] = acc
+                    cute.arch.sync_threads()
+                    merge_chunks(sM, sL, sA, c, col, n_chunks, vec)
+                    rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
+                    rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
+                    for v in cutlass.range_constexpr(vec):
+                        ms = safe_max(sM[0, col * vec + v])
+                        den = sL[0, col * vec + v]
+                        g = rG[v]
+                        ssum = mul_rn(g, sA[0, col * vec + v]) / den
+                        for i in cutlass.range_constexpr(chunk):
+                            p = cute.math.exp(rS[i, v] - ms) / den
+                            pd = mul_rn(p, mul_rn(g, rX[i, v]))
+                            gs = pd - mul_rn(p, ssum)
+                            rPart[i, v] = rPart[i, v] + gs
+                            rGS[i, v] = gs.to(BFloat16)
+                            rGKV[i, v] = mul_rn(g, p).to(BFloat16)
+                    cute.arch.sync_threads()  # slot 0 is rewritten by the next row
+                    if col_ok:
+                        for i in cutlass.range_constexpr(chunk):
+                            k = k0 + i
+                            if k < width:
+                                tok = own0 + k
+                                colt = cv
+                                ok = blk >= 0
+                                if cutlass.const_expr(coff == 2):
+                                    if k < ratio:
+                                        tok = own0 - ratio + k
+                                        ok = blk > 0
+                                    else:
+                                        tok = own0 + k - ratio
+                                        colt = cv + n_vec
+                                if ok:
+                                    gGKV[(0, None), (tok, colt)].store(rGKV[i, None].load())
+                                    gGS[(0, None), (tok, colt)].store(rGS[i, None].load())
+                        n_blk = mCuC[seg + 1] - mCuC[seg]
+                        if blk == n_blk - 1:
+                            if cutlass.const_expr(coff == 2):
+                                # first-half columns of the last block's own tokens (coff=1: one half)
+                                zero_tokens(gGKV, gGS, own0 + c, own0 + ratio, n_chunks, cv, 1, n_vec, vec)
+                            zero_tokens(gGKV, gGS, own0 + ratio + c, mCu[seg + 1], n_chunks, cv, coff,
+                                        n_vec, vec)
+            if col_ok:
+                for i in cutlass.range_constexpr(chunk):
+                    k = k0 + i
+                    if k < width:
+                        arow = k
+                        colt = cv
+                        if cutlass.const_expr(coff == 2):
+                            if k >= ratio:
+                                arow = k - ratio
+                                colt = cv + n_vec
+                        for v in cutlass.range_constexpr(vec):
+                            mSlab[bx, arow, colt * vec + v] = rPart[i, v]
+        else:
+            zb = bx - row_groups
+            if col_ok:
+                seg = zb * n_chunks + c
+                if seg < n_seg:
+                    if mCuC[seg + 1] == mCuC[seg]:
+                        zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
+                zero_tokens(gGKV, gGS, mCu[n_seg] + zb * n_chunks + c, mKV.shape[0], zero_ctas * n_chunks,
+                            cv, coff, n_vec, vec)
