@@ -77,11 +77,9 @@ class TensorDesc:
 
 def tensor_misalignment(t) -> int:
     """Bytes by which ``t`` (a tensor or a TensorDesc) misses 16-byte alignment; 0 if unknown."""
-    if isinstance(t, TensorDesc):
-        return t.misalignment
-    if t.device.type == "meta":
-        return 0
-    return t.data_ptr() % POINTER_ALIGNMENT
+    if isinstance(t, torch.Tensor):
+        return 0 if t.is_meta else t.data_ptr() % POINTER_ALIGNMENT
+    return t.misalignment
 
 
 class APIBase:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -55,9 +56,12 @@ class CompressorConfig:
 
 def check_int(name: str, value, lo: int, hi: int) -> int:
     """``value`` as an int in ``[lo, hi]``; bools and non-integers are rejected."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if type(value) is int:  # the common case, kept cheap: this runs on every call
+        v = value
+    elif isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
-    v = operator.index(value)
+    else:
+        v = operator.index(value)
     if not lo <= v <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {v}")
     return v
@@ -70,6 +74,8 @@ def check_flag(name: str, value) -> bool:
 
 
 def check_coff(coff) -> int:
+    if type(coff) is int and coff in COFF_VALUES:
+        return coff
     if isinstance(coff, bool) or not hasattr(type(coff), "__index__") or operator.index(coff) not in COFF_VALUES:
         raise ValueError(f"coff: expected 1 or 2, got {coff!r}")
     return operator.index(coff)
@@ -91,6 +97,11 @@ def make_config(kv, ratio, coff, head_dim) -> CompressorConfig:
             )
         head_dim = cols // coff
     head_dim = check_int("head_dim", head_dim, *HEAD_DIM_RANGE)
+    return _config(ratio, coff, head_dim)
+
+
+@lru_cache(maxsize=1024)
+def _config(ratio: int, coff: int, head_dim: int) -> CompressorConfig:
     return CompressorConfig(ratio, coff, head_dim)
 
 
@@ -125,7 +136,6 @@ def _fmt_shape(shape: Sequence[Optional[int]], names: Sequence[str]) -> str:
 def check_tensor(
     name: str,
     t,
-    *,
     dtype: torch.dtype,
     shape: Sequence[Optional[int]],
     dims: Sequence[str],
@@ -133,26 +143,30 @@ def check_tensor(
     device_origin: str,
 ) -> None:
     """Check one operand; ``shape`` holds the expected extents, None where any extent is fine
-    (``dims`` names each extent for the message, e.g. ``("T", "coff*head_dim")``)."""
-    check_is_tensor(name, t)
+    (``dims`` names each extent for the message, e.g. ``("T", "coff*head_dim")``). Written for
+    the per-call path: a handful of attribute reads when everything is right."""
+    if not isinstance(t, torch.Tensor):
+        check_is_tensor(name, t)
     if t.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if t.dim() != len(shape):
+    actual = t.shape
+    if len(actual) != len(shape):
         raise ValueError(
             f"{name}: expected a {len(shape)}-D tensor {_fmt_shape([None] * len(dims), dims)}, "
-            f"got shape {tuple(t.shape)}"
+            f"got shape {tuple(actual)}"
         )
-    if any(e is not None and e != s for e, s in zip(shape, t.shape)):
-        raise ValueError(
-            f"{name}: expected shape {_fmt_shape([None] * len(dims), dims)} = {_fmt_shape(shape, dims)}, "
-            f"got {tuple(t.shape)}"
-        )
+    for expected, extent in zip(shape, actual):
+        if expected is not None and expected != extent:
+            raise ValueError(
+                f"{name}: expected shape {_fmt_shape([None] * len(dims), dims)} = {_fmt_shape(shape, dims)}, "
+                f"got {tuple(actual)}"
+            )
     if t.device != device:
         raise ValueError(f"{name}: expected device {device} ({device_origin}), got {t.device}")
     if not t.is_contiguous():
         raise ValueError(
             f"{name}: expected a contiguous (row-major) tensor, got strides {tuple(t.stride())} "
-            f"for shape {tuple(t.shape)}"
+            f"for shape {tuple(actual)}"
         )
     off = tensor_misalignment(t)
     if off:
@@ -172,21 +186,17 @@ def check_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, cfg: CompressorCon
     """The five inputs both directions share."""
     cols = cfg.cols
     tok = ("T", "coff*head_dim")
-    check_tensor("kv", kv, dtype=KV_DTYPE, shape=(None, cols), dims=tok, device=device,
-                 device_origin=device_origin)
+    check_tensor("kv", kv, KV_DTYPE, (None, cols), tok, device, device_origin)
     num_tokens = kv.shape[0]
     _check_int32_extent("kv", "T*coff*head_dim", num_tokens * cols)
     same_device = "the device of kv"
-    check_tensor("score", score, dtype=KV_DTYPE, shape=(num_tokens, cols), dims=tok, device=device,
-                 device_origin=same_device)
-    check_tensor("ape", ape, dtype=APE_DTYPE, shape=(cfg.ratio, cols), dims=("ratio", "coff*head_dim"),
-                 device=device, device_origin=same_device)
-    check_tensor("cu_seqlens", cu_seqlens, dtype=OFFSET_DTYPE, shape=(None,), dims=("B+1",),
-                 device=device, device_origin=same_device)
+    check_tensor("score", score, KV_DTYPE, (num_tokens, cols), tok, device, same_device)
+    check_tensor("ape", ape, APE_DTYPE, (cfg.ratio, cols), ("ratio", "coff*head_dim"), device, same_device)
+    check_tensor("cu_seqlens", cu_seqlens, OFFSET_DTYPE, (None,), ("B+1",), device, same_device)
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens: expected at least 1 element (B+1 offsets, B >= 0), got shape (0,)")
-    check_tensor("cu_seqlens_comp", cu_seqlens_comp, dtype=OFFSET_DTYPE, shape=(cu_seqlens.shape[0],),
-                 dims=("B+1 like cu_seqlens",), device=device, device_origin=same_device)
+    check_tensor("cu_seqlens_comp", cu_seqlens_comp, OFFSET_DTYPE, (cu_seqlens.shape[0],),
+                 ("B+1 like cu_seqlens",), device, same_device)
 
 
 def check_rows(name: str, rows, num_tokens: int, cfg: CompressorConfig) -> int:
