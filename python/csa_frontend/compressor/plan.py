@@ -211,11 +211,9 @@ def check_rows(name: str, rows, num_tokens: int, cfg: CompressorConfig) -> int:
     return rows
 
 
-def check_row_operand(name: str, t, dtype: torch.dtype, cfg: CompressorConfig, device: torch.device,
-                      rows: Optional[int] = None) -> None:
-    """``out`` / ``grad_out``: (total_comp, head_dim)."""
-    check_tensor(name, t, dtype=dtype, shape=(rows, cfg.head_dim), dims=("total_comp", "head_dim"),
-                 device=device, device_origin="the device of kv")
+def check_row_operand(name: str, t, dtype: torch.dtype, cfg: CompressorConfig, device: torch.device) -> None:
+    """``out`` / ``grad_out``: (total_comp, head_dim); the row count is checked by check_rows."""
+    check_tensor(name, t, dtype, (None, cfg.head_dim), ("total_comp", "head_dim"), device, "the device of kv")
 
 
 def check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, cfg: CompressorConfig,
