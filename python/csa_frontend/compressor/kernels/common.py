@@ -30,6 +30,37 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
     )
 
 
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` with one rounding."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c)],
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def div_exact(a: Float32, b: Float32, rcp_b: Float32) -> Float32:
+    """``a / b`` correctly rounded, given ``rcp_b = 1 / b`` correctly rounded.
+
+    Markstein's correction: the remainder ``a - q0*b`` is exact in one FMA, and one more FMA
+    with the rounded reciprocal yields the round-to-nearest quotient for operands in the
+    normal range (softmax weights: ``a`` in [0, 1], ``b`` in [1, window]). Three instructions
+    per weight instead of a full ``div.rn`` sequence, with the same bits (the GPU tests check
+    them against true division).
+    """
+    q0 = a * rcp_b
+    rem = fma_rn(-q0, b, a)
+    return fma_rn(rem, rcp_b, q0)
+
+
 @cute.jit
 def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
     """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]`` (binary search).
@@ -185,43 +216,46 @@ def safe_max(m: Float32) -> Float32:
 
 
 @cute.jit
-def chunk_partials(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, chunk: cutlass.Constexpr):
-    """(max, sum exp(s - max), sum kv * exp(s - max)) of one column of a chunk."""
-    m = rS[0, v]
-    for i in cutlass.range_constexpr(1, chunk):
-        m = cute.arch.fmax(m, rS[i, v])
-    ms = safe_max(m)
-    den = Float32(0.0)
-    acc = Float32(0.0)
-    for i in cutlass.range_constexpr(chunk):
-        e = cute.math.exp(rS[i, v] - ms)
-        den = den + e
-        acc = acc + mul_rn(rX[i, v], e)
-    return m, den, acc
+def combine_chunks(sBuf: cute.Tensor, j: Int32, n_chunks: cutlass.Constexpr, is_max: cutlass.Constexpr) -> Float32:
+    """Max or left-to-right sum of the chunk partials ``sBuf[0..n_chunks), j]`` in chunk order.
+
+    Every thread of a column combines the partials itself, in the same order, so all get the
+    same bits; with chunks in window order this is the reference's sum re-associated at chunk
+    boundaries only (the max is exact in any order).
+    """
+    acc = sBuf[0, j]
+    for c in cutlass.range_constexpr(1, n_chunks):
+        if cutlass.const_expr(is_max):
+            acc = cute.arch.fmax(acc, sBuf[c, j])
+        else:
+            acc = acc + sBuf[c, j]
+    return acc
 
 
 @cute.jit
-def merge_chunks(sM: cute.Tensor, sL: cute.Tensor, sA: cute.Tensor, c: Int32, col: Int32,
-                 n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Fixed-order tree merge of per-chunk softmax partials in shared memory; the result lands
-    in chunk slot 0. ``sM/sL/sA[c, col*vec + v]`` hold (max, sum, acc) of chunk ``c``. The tree
-    shape depends only on ``n_chunks``, so the bits are reproducible. Ends with a barrier."""
-    step = 1
-    while step < n_chunks:
-        if c % (2 * step) == 0 and c + step < n_chunks:
-            for v in cutlass.range_constexpr(vec):
-                j = col * vec + v
-                m1 = sM[c, j]
-                m2 = sM[c + step, j]
-                m = cute.arch.fmax(m1, m2)
-                ms = safe_max(m)
-                w1 = cute.math.exp(m1 - ms)
-                w2 = cute.math.exp(m2 - ms)
-                sM[c, j] = m
-                sL[c, j] = mul_rn(sL[c, j], w1) + mul_rn(sL[c + step, j], w2)
-                sA[c, j] = mul_rn(sA[c, j], w1) + mul_rn(sA[c + step, j], w2)
-        cute.arch.sync_threads()
-        step = step * 2
+def chunk_softmax(rS: cute.Tensor, sMax: cute.Tensor, sDen: cute.Tensor, c: Int32, col: Int32,
+                  chunk: cutlass.Constexpr, n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Turn this thread's chunk of scores ``rS`` into ``exp(s - max)`` with the max of the
+    whole window (exact, as the reference), and leave the chunk sums in ``sDen`` for
+    ``combine_chunks``. Two barriers: after the chunk maxima and after the chunk sums."""
+    for v in cutlass.range_constexpr(vec):
+        m = rS[0, v]
+        for i in cutlass.range_constexpr(1, chunk):
+            m = cute.arch.fmax(m, rS[i, v])
+        sMax[c, col * vec + v] = m
+    cute.arch.sync_threads()
+    for v in cutlass.range_constexpr(vec):
+        ms = safe_max(combine_chunks(sMax, col * vec + v, n_chunks, True))
+        den = Float32(0.0)
+        for i in cutlass.range_constexpr(chunk):
+            e = cute.math.exp(rS[i, v] - ms)
+            rS[i, v] = e
+            if cutlass.const_expr(i == 0):
+                den = e
+            else:
+                den = den + e
+        sDen[c, col * vec + v] = den
+    cute.arch.sync_threads()
 
 
 @cute.jit

@@ -20,6 +20,7 @@ from .schedule import (
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
+    fwd_rows_per_cta,
     zero_fill_ctas,
 )
 
@@ -102,6 +103,8 @@ def _options(arch: Optional[str]) -> str:
 
 
 def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
+    """(compiled forward, its schedule)."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -109,9 +112,14 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     from .window_fwd import WindowForward
 
     f = _fake_tensors(ratio, coff, head_dim)
-    op = (WindowForward if sched.family == "window" else StreamForward)(ratio, coff, head_dim, sched)
-    return cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"],
-                        make_fake_stream(use_tvm_ffi_env_stream=True), options=_options(arch))
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"])
+    if sched.family == "window":
+        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched), *args, stream, options=_options(arch))
+        return fn, sched
+    fn = cute.compile(StreamForward(ratio, coff, head_dim, sched), *args, cutlass.Int32(1), stream,
+                      options=_options(arch))
+    return fn, sched
 
 
 def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
@@ -130,7 +138,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))
     reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], stream, options=_options(arch))
-    return main, reduce
+    return main, reduce, sched
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[str]):
@@ -187,12 +195,15 @@ def _needs_guard(device: torch.device, stream) -> bool:
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
     if out.shape[0] == 0:
         return
-    fn = _kernels_for("fwd", kv.device, ratio, coff, head_dim)
+    fn, sched = _kernels_for("fwd", kv.device, ratio, coff, head_dim)
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    if sched.family == "stream":
+        args += (fwd_rows_per_cta(out.shape[0], sched),)
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
-            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+            fn(*args)
     else:
-        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        fn(*args)
 
 
 def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
@@ -213,8 +224,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
              ratio, coff, head_dim, deterministic=True, stream=None):
     # deterministic=False takes the same fixed-order path: no atomic variant is shipped (the
     # API still applies the determinism guard to the flag).
-    main, reduce = _kernels_for("bwd", kv.device, ratio, coff, head_dim)
-    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    main, reduce, sched = _kernels_for("bwd", kv.device, ratio, coff, head_dim)
     args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
             grad_score, grad_ape, ratio, coff, head_dim)
     if _needs_guard(kv.device, stream):

@@ -11,6 +11,7 @@ each, coalesced along a token row) times ``row_lanes`` threads across output row
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,6 +22,10 @@ CTA_THREADS = 256
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
 #: at 19-42% of the DRAM floor). 32 values (vec 4 for r4/c2) leaves room for 2-3 CTAs per SM.
 WINDOW_REGISTER_BUDGET = {"fwd": 32, "bwd": 32}
+#: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
+for _item in filter(None, os.environ.get("CSA_FRONTEND_WINDOW_BUDGET", "").split(",")):
+    _direction, _values = _item.split("=")
+    WINDOW_REGISTER_BUDGET[_direction.strip()] = int(_values)
 #: Backward CTAs we aim for before a thread walks several rows: each CTA writes one grad_ape
 #: partial slab, so more CTAs mean more slab traffic and a longer fixed-order reduction (1536
 #: slabs cost 3x8192 r4 c1 d512 a third of its time), fewer leave SMs idle (192 CTAs: 44% of
@@ -87,7 +92,7 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 #: the state per value (p, gradients, grad_ape partials): at 32 values it spilled (ptxas, 128
 #: registers at 512 threads), at 16 it does not.
 STREAM_CHUNK_VALUES = {"fwd": 32, "bwd": 16}
-STREAM_CTA_THREADS = 512
+STREAM_CTA_THREADS = 256
 
 
 def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str) -> Schedule:
@@ -108,6 +113,15 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
     BWD_TARGET_CTAS (at most BWD_MAX_ROWS_PER_THREAD)."""
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
     return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
+
+
+#: Stream forward CTAs we aim for; each walks rows one at a time (one row's window per CTA).
+STREAM_FWD_TARGET_CTAS = 1024
+
+
+def fwd_rows_per_cta(n_rows: int, sched: Schedule) -> int:
+    """Stream forward: rows one CTA walks (the window family takes one row per thread)."""
+    return max(1, -(-n_rows * sched.col_tiles // STREAM_FWD_TARGET_CTAS))
 
 
 def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:

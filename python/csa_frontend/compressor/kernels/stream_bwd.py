@@ -1,11 +1,12 @@
 """Stream-family backward: a CTA walks ``rows_per_cta`` rows, each row's window split in chunks.
 
-Per row: every thread loads its chunk once, the chunks' (max, sum, sum e*kv) partials merge
-in the forward's fixed tree, and each thread then forms ``p = exp(s - max) / den`` and the
-gradients of its own positions (``S = sum_k p_k dp_k`` is ``g * sum_k e_k kv_k / den``). A
-thread owns fixed window positions and columns across all the CTA's rows, so its grad_ape
-partials stay in registers and go straight to this row group's slab; ``ape_reduce`` sums
-the slabs in order. Zero-filling follows the register-window backward.
+Per row: every thread loads its chunk once; the window max, ``den`` and ``S = sum_k p_k dp_k``
+come from chunk partials combined in chunk order (as the stream forward), and each thread
+forms ``p = e / den`` (correctly rounded) and the gradients of its own positions with the
+reference's operation order. A thread owns fixed window positions and columns across all
+the CTA's rows, so its grad_ape partials stay in registers and go straight to this row
+group's slab; ``ape_reduce`` sums the slabs in order. Zero-filling follows the
+register-window backward.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (chunk_partials, find_segment, load_chunk, merge_chunks, mul_rn, safe_max,
+from .common import (chunk_softmax, combine_chunks, div_exact, find_segment, load_chunk, mul_rn,
                      zero_tokens)
 from .schedule import Schedule
 from .stream_fwd import partial_buffers
@@ -71,7 +72,7 @@ class StreamBackward:
         gGS = cute.zipped_divide(mGS, (1, vec))
         gGO = cute.zipped_divide(mGO, (1, vec))
         if bx < row_groups:
-            sM, sL, sA = partial_buffers(n_chunks, ct * vec)
+            sMax, sDen, sSum = partial_buffers(n_chunks, ct * vec)
             rPart = cute.make_rmem_tensor((chunk, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
@@ -91,28 +92,33 @@ class StreamBackward:
                     if col_ok:
                         load_chunk(gKV, gS, gA, rS, rX, own0, blk > 0, cv, k0, chunk, ratio, coff, n_vec, vec)
                         rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
+                    chunk_softmax(rS, sMax, sDen, c, col, chunk, n_chunks, vec)
                     for v in cutlass.range_constexpr(vec):
-                        m, den, acc = chunk_partials(rS, rX, v, chunk)
-                        sM[c, col * vec + v] = m
-                        sL[c, col * vec + v] = den
-                        sA[c, col * vec + v] = acc
+                        den = combine_chunks(sDen, col * vec + v, n_chunks, False)
+                        rcp = Float32(1.0) / den
+                        g = rG[v]
+                        part = Float32(0.0)
+                        for i in cutlass.range_constexpr(chunk):
+                            p = div_exact(rS[i, v], den, rcp)
+                            pd = mul_rn(p, mul_rn(g, rX[i, v]))
+                            rS[i, v] = p
+                            rX[i, v] = pd
+                            if cutlass.const_expr(i == 0):
+                                part = pd
+                            else:
+                                part = part + pd
+                        sSum[c, col * vec + v] = part
                     cute.arch.sync_threads()
-                    merge_chunks(sM, sL, sA, c, col, n_chunks, vec)
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
-                        ms = safe_max(sM[0, col * vec + v])
-                        den = sL[0, col * vec + v]
+                        ssum = combine_chunks(sSum, col * vec + v, n_chunks, False)
                         g = rG[v]
-                        ssum = mul_rn(g, sA[0, col * vec + v]) / den
                         for i in cutlass.range_constexpr(chunk):
-                            p = cute.math.exp(rS[i, v] - ms) / den
-                            pd = mul_rn(p, mul_rn(g, rX[i, v]))
-                            gs = pd - mul_rn(p, ssum)
+                            gs = rX[i, v] - mul_rn(rS[i, v], ssum)
                             rPart[i, v] = rPart[i, v] + gs
                             rGS[i, v] = gs.to(BFloat16)
-                            rGKV[i, v] = mul_rn(g, p).to(BFloat16)
-                    cute.arch.sync_threads()  # slot 0 is rewritten by the next row
+                            rGKV[i, v] = mul_rn(g, rS[i, v]).to(BFloat16)
                     if col_ok:
                         for i in cutlass.range_constexpr(chunk):
                             k = k0 + i

@@ -1,12 +1,14 @@
-"""Stream-family forward: one CTA pools one output row, its window split in chunks over threads.
+"""Stream-family forward: a CTA pools rows one at a time, each row's window split in chunks.
 
 For windows too wide for one thread's registers (large ratio). Thread ``(c, col)`` loads
 window positions ``[c*chunk, (c+1)*chunk)`` of column slice ``col`` once (every input element
-is still read from DRAM exactly once), reduces them to a (max, sum, acc) softmax partial, and
-the partials merge in a fixed binary tree through shared memory, so the result is bitwise
-reproducible. Within tolerance of the reference (different summation order), not bitwise.
+is read from DRAM exactly once). The arithmetic follows the reference's structure: the
+window max (exact), ``e = exp(s - max)``, ``den`` as chunk sums combined in chunk order,
+weights ``e / den`` correctly rounded, and the weighted sum as chunk sums combined in chunk
+order. It differs from the reference only by re-association at chunk boundaries, and is
+bitwise reproducible (fixed orders, no atomics).
 
-Grid: x over output rows, y over column tiles of ``col_threads`` slices.
+Grid: x over groups of ``rows_per_cta`` rows, y over column tiles of ``col_threads`` slices.
 """
 from __future__ import annotations
 
@@ -15,15 +17,27 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import chunk_partials, find_segment, load_chunk, merge_chunks
+from .common import chunk_softmax, combine_chunks, div_exact, find_segment, load_chunk, mul_rn
 from .schedule import Schedule
 
 
 def partial_buffers(n_chunks: int, tile_cols: int):
-    """Shared (max, sum, acc) partial buffers, one row per chunk."""
+    """Shared per-chunk partials (max, sum of weights, weighted sum), one row per chunk."""
     smem = SmemAllocator()
     layout = cute.make_layout((n_chunks, tile_cols), stride=(tile_cols, 1))
     return tuple(smem.allocate_tensor(Float32, layout, 16) for _ in range(3))
+
+
+@cute.jit
+def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """(first token, block index) of ``row``; padding rows pool segment 0's first block."""
+    t0 = Int32(0)
+    blk = Int32(0)
+    if row < mCuC[n_seg]:
+        seg = find_segment(mCuC, n_seg, row)
+        t0 = mCu[seg]
+        blk = row - mCuC[seg]
+    return t0, blk
 
 
 class StreamForward:
@@ -42,49 +56,56 @@ class StreamForward:
         mCu: cute.Tensor,  # (B+1,) int32
         mCuC: cute.Tensor,  # (B+1,) int32
         mOut: cute.Tensor,  # (total_comp, d) bf16
+        rows_per_cta: Int32,
         stream,
     ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
-            grid=(mOut.shape[0], self.sched.col_tiles, 1),
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta).launch(
+            grid=((mOut.shape[0] + rows_per_cta - 1) // rows_per_cta, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta):
         vec, n_vec, chunk = self.vec, self.n_vec, self.sched.chunk
         ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
         tidx, _, _ = cute.arch.thread_idx()
-        row, by, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
         col = tidx % ct
         c = tidx // ct
         cv = by * ct + col
         n_seg = mCu.shape[0] - 1
-        t0 = Int32(0)
-        blk = Int32(0)
-        if row < mCuC[n_seg]:
-            seg = find_segment(mCuC, n_seg, row)
-            t0 = mCu[seg]
-            blk = row - mCuC[seg]
-        sM, sL, sA = partial_buffers(n_chunks, ct * vec)
-        rS = cute.make_rmem_tensor((chunk, vec), Float32)
-        rX = cute.make_rmem_tensor((chunk, vec), Float32)
-        rS.fill(-Float32.inf)
-        rX.fill(0.0)
-        if cv < n_vec:
-            load_chunk(cute.zipped_divide(mKV, (1, vec)), cute.zipped_divide(mS, (1, vec)),
-                       cute.zipped_divide(mApe, (1, vec)), rS, rX, t0 + blk * self.ratio, blk > 0, cv,
-                       c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
-        for v in cutlass.range_constexpr(vec):
-            m, den, acc = chunk_partials(rS, rX, v, chunk)
-            sM[c, col * vec + v] = m
-            sL[c, col * vec + v] = den
-            sA[c, col * vec + v] = acc
-        cute.arch.sync_threads()
-        merge_chunks(sM, sL, sA, c, col, n_chunks, vec)
-        if c == 0 and cv < n_vec:
-            rO = cute.make_rmem_tensor((vec,), Float32)
-            for v in cutlass.range_constexpr(vec):
-                rO[v] = sA[0, col * vec + v] / sL[0, col * vec + v]
-            gO = cute.zipped_divide(mOut, (1, vec))
-            gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+        sMax, sDen, sAcc = partial_buffers(n_chunks, ct * vec)
+        gKV = cute.zipped_divide(mKV, (1, vec))
+        gS = cute.zipped_divide(mS, (1, vec))
+        gA = cute.zipped_divide(mApe, (1, vec))
+        gO = cute.zipped_divide(mOut, (1, vec))
+        for it in cutlass.range(rows_per_cta, unroll=1):
+            row = bx * rows_per_cta + it
+            if row < mOut.shape[0]:
+                t0, blk = row_start(mCu, mCuC, n_seg, row)
+                rS = cute.make_rmem_tensor((chunk, vec), Float32)
+                rX = cute.make_rmem_tensor((chunk, vec), Float32)
+                rS.fill(-Float32.inf)
+                rX.fill(0.0)
+                if cv < n_vec:
+                    load_chunk(gKV, gS, gA, rS, rX, t0 + blk * self.ratio, blk > 0, cv,
+                               c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
+                chunk_softmax(rS, sMax, sDen, c, col, chunk, n_chunks, vec)
+                for v in cutlass.range_constexpr(vec):
+                    den = combine_chunks(sDen, col * vec + v, n_chunks, False)
+                    rcp = Float32(1.0) / den
+                    acc = Float32(0.0)
+                    for i in cutlass.range_constexpr(chunk):
+                        term = mul_rn(rX[i, v], div_exact(rS[i, v], den, rcp))
+                        if cutlass.const_expr(i == 0):
+                            acc = term
+                        else:
+                            acc = acc + term
+                    sAcc[c, col * vec + v] = acc
+                cute.arch.sync_threads()
+                if c == 0 and cv < n_vec:
+                    rO = cute.make_rmem_tensor((vec,), Float32)
+                    for v in cutlass.range_constexpr(vec):
+                        rO[v] = combine_chunks(sAcc, col * vec + v, n_chunks, False)
+                    gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))

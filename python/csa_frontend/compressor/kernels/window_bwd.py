@@ -19,7 +19,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import find_segment, load_window, mul_rn, softmax_column, store_zeros, zero_tokens
+from .common import (div_exact, find_segment, load_window, mul_rn, softmax_column, store_zeros,
+                     zero_tokens)
 from .schedule import Schedule
 
 
@@ -92,11 +93,12 @@ class WindowBackward:
                     rGS = cute.make_rmem_tensor((width, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
                         den = softmax_column(rS, v, width)
+                        rcp = Float32(1.0) / den
                         g = rG[v]
                         # rS <- p, rX <- p * dp, then the left-to-right sum S
                         ssum = Float32(0.0)
                         for k in cutlass.range_constexpr(width):
-                            p = rS[k, v] / den
+                            p = div_exact(rS[k, v], den, rcp)
                             pd = mul_rn(p, mul_rn(g, rX[k, v]))
                             rS[k, v] = p
                             rX[k, v] = pd

@@ -3,10 +3,11 @@
 The whole window (``coff * ratio`` positions x ``vec`` columns of score+ape and kv) lives in
 registers, so each input element is read from DRAM exactly once (every (token, column) belongs
 to one window) and nothing intermediate touches memory. Arithmetic follows the reference
-order (max, expf, left-to-right sums) but divides once per output, ``sum_k kv_k e_k / den``,
-instead of normalising every weight: one division instead of ``coff*ratio`` keeps the forward
-memory-bound, and the result stays within one bf16 rounding step of the reference (it differs
-from ``sum_k kv_k (e_k / den)`` by a few fp32 ulps before the final rounding).
+order exactly (max, expf, left-to-right sum, correctly rounded weights ``e_k / den``,
+left-to-right sum of pinned products), so ``out`` has the reference's bits. Dividing once,
+``sum_k kv_k e_k / den``, was cheaper but moved outputs near zero (where the weighted sum
+cancels) by several bf16 steps; the weights instead come from one reciprocal and a
+two-FMA correction per position (``div_exact``).
 
 Grid: x over groups of ``row_lanes`` output rows, y over column tiles of ``col_threads``
 vectors. Padding rows (``row >= cu_seqlens_comp[-1]``) pool segment 0's first block.
@@ -17,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import find_segment, load_window, mul_rn, softmax_column
+from .common import div_exact, find_segment, load_window, mul_rn, softmax_column
 from .schedule import Schedule
 
 
@@ -74,13 +75,14 @@ class WindowForward:
             rO = cute.make_rmem_tensor((vec,), Float32)
             for v in cutlass.range_constexpr(vec):
                 den = softmax_column(rS, v, width)
+                rcp = Float32(1.0) / den
                 acc = Float32(0.0)
                 for k in cutlass.range_constexpr(width):
-                    term = mul_rn(rX[k, v], rS[k, v])
+                    term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
                     if cutlass.const_expr(k == 0):
                         acc = term
                     else:
                         acc = acc + term
-                rO[v] = acc / den
+                rO[v] = acc
             gO = cute.zipped_divide(mOut, (1, vec))
             gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
