@@ -141,7 +141,12 @@ class _CompressorOp(APIBase):
         )
         cfg = self.config
         compile_fn = getattr(_kernels(), f"compile_{self._direction}")
-        compile_fn(ratio=cfg.ratio, coff=cfg.coff, head_dim=cfg.head_dim, arch=self.arch)
+        compile_fn(ratio=cfg.ratio, coff=cfg.coff, head_dim=cfg.head_dim, arch=self.arch,
+                   **self._compile_kwargs())
+
+    def _compile_kwargs(self) -> dict:
+        """Static choices beyond the configuration that select a compiled variant."""
+        return {}
 
     def _describe(self) -> str:
         cfg = self.config
@@ -218,6 +223,9 @@ class CSACompressorBackward(_CompressorOp):
                           sample_grad_out, sample_grad_kv, sample_grad_score, sample_grad_ape), ratio=ratio,
                          coff=coff, head_dim=head_dim, validate=validate, device=device)
         self.deterministic = plan.check_flag("deterministic", deterministic)
+
+    def _compile_kwargs(self) -> dict:
+        return {"deterministic": self.deterministic}
 
     def _check_samples(self, cfg, device) -> None:
         plan.check_backward(*self._samples, cfg, device, _KV_DEVICE)

@@ -62,6 +62,19 @@ def div_exact(a: Float32, b: Float32, rcp_b: Float32) -> Float32:
 
 
 @cute.jit
+def store_partial(mSlab: cute.Tensor, group: Int32, arow: Int32, col: Int32, val: Float32,
+                  atomic: cutlass.Constexpr):
+    """One grad_ape partial: a plain store into this row group's slab (deterministic path), or
+    an fp32 atomic add straight into grad_ape viewed as a single slab (opt-in fast path: no
+    slab traffic and no reduction launch, but the order of additions, hence the bits, varies)."""
+    if cutlass.const_expr(atomic):
+        offset = arow * mSlab.shape[2] + col
+        cute.arch.atomic_add((mSlab.iterator + offset).llvm_ptr, val, sem="relaxed", scope="gpu")
+    else:
+        mSlab[group, arow, col] = val
+
+
+@cute.jit
 def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
     """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]`` (binary search).
 
@@ -216,36 +229,71 @@ def safe_max(m: Float32) -> Float32:
 
 
 @cute.jit
-def combine_chunks(sBuf: cute.Tensor, j: Int32, n_chunks: cutlass.Constexpr, is_max: cutlass.Constexpr) -> Float32:
-    """Max or left-to-right sum of the chunk partials ``sBuf[0..n_chunks), j]`` in chunk order.
-
-    Every thread of a column combines the partials itself, in the same order, so all get the
-    same bits; with chunks in window order this is the reference's sum re-associated at chunk
-    boundaries only (the max is exact in any order).
-    """
-    acc = sBuf[0, j]
-    for c in cutlass.range_constexpr(1, n_chunks):
-        if cutlass.const_expr(is_max):
-            acc = cute.arch.fmax(acc, sBuf[c, j])
-        else:
-            acc = acc + sBuf[c, j]
-    return acc
+def _combine(a: Float32, b: Float32, is_max: cutlass.Constexpr) -> Float32:
+    r = a + b
+    if cutlass.const_expr(is_max):
+        r = cute.arch.fmax(a, b)
+    return r
 
 
 @cute.jit
-def chunk_softmax(rS: cute.Tensor, sMax: cute.Tensor, sDen: cute.Tensor, c: Int32, col: Int32,
-                  chunk: cutlass.Constexpr, n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr):
+def reduce_chunks(sPart: cute.Tensor, sGrp: cute.Tensor, sFin: cute.Tensor, tidx: Int32,
+                  n_chunks: cutlass.Constexpr, tile_cols: cutlass.Constexpr,
+                  threads: cutlass.Constexpr, is_max: cutlass.Constexpr):
+    """``sFin[j]`` = max or sum over chunks of ``sPart[c, j]``, computed once per column.
+
+    Two levels in a fixed order: groups of consecutive chunks (in chunk order), then the group
+    results in group order; so the sum is the reference's left-to-right sum re-associated at
+    chunk and group boundaries, and bitwise reproducible. Letting every chunk lane combine all
+    partials itself costs n_chunks times the work (it made the r128 kernels compute-bound).
+    The caller has written ``sPart`` and passed a barrier; this ends with a barrier.
+    """
+    if cutlass.const_expr(threads >= tile_cols):
+        groups = threads // tile_cols
+        per = -(-n_chunks // groups)
+        used = -(-n_chunks // per)
+        g = tidx // tile_cols
+        j = tidx % tile_cols
+        if g < used:
+            acc = sPart[g * per, j]
+            for i in cutlass.range_constexpr(1, per):
+                if g * per + i < n_chunks:
+                    acc = _combine(acc, sPart[g * per + i, j], is_max)
+            sGrp[g, j] = acc
+        cute.arch.sync_threads()
+        if g == 0:
+            acc = sGrp[0, j]
+            for q in cutlass.range_constexpr(1, used):
+                acc = _combine(acc, sGrp[q, j], is_max)
+            sFin[j] = acc
+    else:
+        for q in cutlass.range_constexpr(-(-tile_cols // threads)):
+            j = tidx + q * threads
+            if j < tile_cols:
+                acc = sPart[0, j]
+                for c in cutlass.range_constexpr(1, n_chunks):
+                    acc = _combine(acc, sPart[c, j], is_max)
+                sFin[j] = acc
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def chunk_softmax(rS: cute.Tensor, sPart: cute.Tensor, sGrp: cute.Tensor, sFin: cute.Tensor,
+                  rDen: cute.Tensor, c: Int32, col: Int32, tidx: Int32, chunk: cutlass.Constexpr,
+                  n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr, threads: cutlass.Constexpr):
     """Turn this thread's chunk of scores ``rS`` into ``exp(s - max)`` with the max of the
-    whole window (exact, as the reference), and leave the chunk sums in ``sDen`` for
-    ``combine_chunks``. Two barriers: after the chunk maxima and after the chunk sums."""
+    whole window (exact, as the reference) and fill ``rDen[v]`` with the window's sum of
+    weights (chunk sums combined by ``reduce_chunks``)."""
+    tile_cols = threads // n_chunks * vec
     for v in cutlass.range_constexpr(vec):
         m = rS[0, v]
         for i in cutlass.range_constexpr(1, chunk):
             m = cute.arch.fmax(m, rS[i, v])
-        sMax[c, col * vec + v] = m
+        sPart[c, col * vec + v] = m
     cute.arch.sync_threads()
+    reduce_chunks(sPart, sGrp, sFin, tidx, n_chunks, tile_cols, threads, True)
     for v in cutlass.range_constexpr(vec):
-        ms = safe_max(combine_chunks(sMax, col * vec + v, n_chunks, True))
+        ms = safe_max(sFin[col * vec + v])
         den = Float32(0.0)
         for i in cutlass.range_constexpr(chunk):
             e = cute.math.exp(rS[i, v] - ms)
@@ -254,8 +302,11 @@ def chunk_softmax(rS: cute.Tensor, sMax: cute.Tensor, sDen: cute.Tensor, c: Int3
                 den = e
             else:
                 den = den + e
-        sDen[c, col * vec + v] = den
+        sPart[c, col * vec + v] = den
     cute.arch.sync_threads()
+    reduce_chunks(sPart, sGrp, sFin, tidx, n_chunks, tile_cols, threads, False)
+    for v in cutlass.range_constexpr(vec):
+        rDen[v] = sFin[col * vec + v]
 
 
 @cute.jit

@@ -34,12 +34,9 @@ _lock = threading.Lock()
 
 
 def arch_of(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 9:
-        return "sm_90a"
-    if major == 10:
-        return "sm_100a"
-    return f"sm_{major}{minor}"
+    from ..plan import arch_from_capability
+
+    return arch_from_capability(torch.cuda.get_device_capability(device))
 
 
 def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str] = None) -> Optional[str]:
@@ -122,7 +119,9 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     return fn, sched
 
 
-def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
+def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str],
+                    atomic: bool = False):
+    """(main kernel, slab reduction or None for the atomic variant, schedule)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -133,10 +132,12 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    op = (WindowBackward if sched.family == "window" else StreamBackward)(ratio, coff, head_dim, sched)
+    op = (WindowBackward if sched.family == "window" else StreamBackward)(ratio, coff, head_dim, sched, atomic)
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))
+    if atomic:
+        return main, None, sched
     reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], stream, options=_options(arch))
     return main, reduce, sched
 
@@ -151,9 +152,13 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
     return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
 
 
-def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
+                     deterministic: bool = True):
+    """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant."""
+    direction = "bwd" if deterministic else "bwd_atomic"
     key, sched = _key("bwd", ratio, coff, head_dim, arch)
-    return _compiled(key, lambda: _build_backward(ratio, coff, head_dim, sched, arch))
+    key = (direction,) + key[1:]
+    return _compiled(key, lambda: _build_backward(ratio, coff, head_dim, sched, arch, not deterministic))
 
 
 class _on_stream:
@@ -182,8 +187,12 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
     key = (direction, device.index, ratio, coff, head_dim)
     fns = _by_device.get(key)
     if fns is None:
-        build = compile_forward if direction == "fwd" else compile_backward
-        fns = build(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch_of(device))
+        arch = arch_of(device)
+        if direction == "fwd":
+            fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+        else:
+            fns = compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
+                                   deterministic=direction == "bwd")
         _by_device[key] = fns
     return fns
 
@@ -212,6 +221,11 @@ def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens
     rpt = bwd_rows_per_thread(n_rows, sched)
     groups = bwd_row_groups(n_rows, sched, rpt)
     zero_ctas = zero_fill_ctas(cu_seqlens.shape[0] - 1, sched)
+    if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
+        grad_ape.zero_()
+        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+             grad_ape.view(1, ratio, coff * head_dim), rpt, groups, zero_ctas)
+        return
     slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
     if groups == 0:
         slab.zero_()
@@ -222,9 +236,8 @@ def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens
 
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
              ratio, coff, head_dim, deterministic=True, stream=None):
-    # deterministic=False takes the same fixed-order path: no atomic variant is shipped (the
-    # API still applies the determinism guard to the flag).
-    main, reduce, sched = _kernels_for("bwd", kv.device, ratio, coff, head_dim)
+    direction = "bwd" if deterministic else "bwd_atomic"
+    main, reduce, sched = _kernels_for(direction, kv.device, ratio, coff, head_dim)
     args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
             grad_score, grad_ape, ratio, coff, head_dim)
     if _needs_guard(kv.device, stream):

@@ -20,8 +20,9 @@ CTA_THREADS = 256
 #: fp32 window values (positions x vec) one thread may hold per operand, per direction.
 #: ptxas for sm_90a: r4/c2 at vec 8 (64 values) takes 144 registers forward and ~240 backward,
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
-#: at 19-42% of the DRAM floor). 32 values (vec 4 for r4/c2) leaves room for 2-3 CTAs per SM.
-WINDOW_REGISTER_BUDGET = {"fwd": 32, "bwd": 32}
+#: at 19-42% of the DRAM floor). Swept on the H200 (benchmark/NOTES.md): forward is fastest at
+#: 16 values (vec 2 for r4/c2, 5 CTAs per SM), backward at 32 (vec 4).
+WINDOW_REGISTER_BUDGET = {"fwd": 16, "bwd": 32}
 #: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
 for _item in filter(None, os.environ.get("CSA_FRONTEND_WINDOW_BUDGET", "").split(",")):
     _direction, _values = _item.split("=")

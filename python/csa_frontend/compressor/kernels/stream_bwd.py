@@ -14,15 +14,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (chunk_softmax, combine_chunks, div_exact, find_segment, load_chunk, mul_rn,
-                     zero_tokens)
+from .common import (chunk_softmax, div_exact, find_segment, load_chunk, mul_rn, reduce_chunks,
+                     store_partial, zero_tokens)
 from .schedule import Schedule
 from .stream_fwd import partial_buffers
 
 
 class StreamBackward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule, atomic: bool = False):
         assert sched.family == "stream"
+        self.atomic = atomic
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
         self.vec = sched.vec
         self.n_vec = head_dim // sched.vec
@@ -72,7 +73,8 @@ class StreamBackward:
         gGS = cute.zipped_divide(mGS, (1, vec))
         gGO = cute.zipped_divide(mGO, (1, vec))
         if bx < row_groups:
-            sMax, sDen, sSum = partial_buffers(n_chunks, ct * vec)
+            threads = self.sched.threads
+            sPart, sGrp, sFin = partial_buffers(n_chunks, ct * vec, threads)
             rPart = cute.make_rmem_tensor((chunk, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
@@ -92,9 +94,11 @@ class StreamBackward:
                     if col_ok:
                         load_chunk(gKV, gS, gA, rS, rX, own0, blk > 0, cv, k0, chunk, ratio, coff, n_vec, vec)
                         rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
-                    chunk_softmax(rS, sMax, sDen, c, col, chunk, n_chunks, vec)
+                    rDen = cute.make_rmem_tensor((vec,), Float32)
+                    chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec,
+                                  threads)
                     for v in cutlass.range_constexpr(vec):
-                        den = combine_chunks(sDen, col * vec + v, n_chunks, False)
+                        den = rDen[v]
                         rcp = Float32(1.0) / den
                         g = rG[v]
                         part = Float32(0.0)
@@ -107,12 +111,13 @@ class StreamBackward:
                                 part = pd
                             else:
                                 part = part + pd
-                        sSum[c, col * vec + v] = part
+                        sPart[c, col * vec + v] = part
                     cute.arch.sync_threads()
+                    reduce_chunks(sPart, sGrp, sFin[0, None], tidx, n_chunks, ct * vec, threads, False)
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
-                        ssum = combine_chunks(sSum, col * vec + v, n_chunks, False)
+                        ssum = sFin[0, col * vec + v]
                         g = rG[v]
                         for i in cutlass.range_constexpr(chunk):
                             gs = rX[i, v] - mul_rn(rS[i, v], ssum)
@@ -154,7 +159,7 @@ class StreamBackward:
                                 arow = k - ratio
                                 colt = cv + n_vec
                         for v in cutlass.range_constexpr(vec):
-                            mSlab[bx, arow, colt * vec + v] = rPart[i, v]
+                            store_partial(mSlab, bx, arow, colt * vec + v, rPart[i, v], self.atomic)
         else:
             zb = bx - row_groups
             if col_ok:

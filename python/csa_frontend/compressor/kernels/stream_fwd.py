@@ -17,15 +17,18 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import chunk_softmax, combine_chunks, div_exact, find_segment, load_chunk, mul_rn
+from .common import chunk_softmax, div_exact, find_segment, load_chunk, mul_rn, reduce_chunks
 from .schedule import Schedule
 
 
-def partial_buffers(n_chunks: int, tile_cols: int):
-    """Shared per-chunk partials (max, sum of weights, weighted sum), one row per chunk."""
+def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
+    """Shared buffers of ``reduce_chunks``: per-chunk partials, per-group partials, results."""
     smem = SmemAllocator()
-    layout = cute.make_layout((n_chunks, tile_cols), stride=(tile_cols, 1))
-    return tuple(smem.allocate_tensor(Float32, layout, 16) for _ in range(3))
+    groups = max(1, threads // tile_cols)
+    return tuple(
+        smem.allocate_tensor(Float32, cute.make_layout((rows, tile_cols), stride=(tile_cols, 1)), 16)
+        for rows in (n_chunks, groups, 1)
+    )
 
 
 @cute.jit
@@ -75,7 +78,8 @@ class StreamForward:
         c = tidx // ct
         cv = by * ct + col
         n_seg = mCu.shape[0] - 1
-        sMax, sDen, sAcc = partial_buffers(n_chunks, ct * vec)
+        threads = self.sched.threads
+        sPart, sGrp, sFin = partial_buffers(n_chunks, ct * vec, threads)
         gKV = cute.zipped_divide(mKV, (1, vec))
         gS = cute.zipped_divide(mS, (1, vec))
         gA = cute.zipped_divide(mApe, (1, vec))
@@ -91,9 +95,10 @@ class StreamForward:
                 if cv < n_vec:
                     load_chunk(gKV, gS, gA, rS, rX, t0 + blk * self.ratio, blk > 0, cv,
                                c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
-                chunk_softmax(rS, sMax, sDen, c, col, chunk, n_chunks, vec)
+                rDen = cute.make_rmem_tensor((vec,), Float32)
+                chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec, threads)
                 for v in cutlass.range_constexpr(vec):
-                    den = combine_chunks(sDen, col * vec + v, n_chunks, False)
+                    den = rDen[v]
                     rcp = Float32(1.0) / den
                     acc = Float32(0.0)
                     for i in cutlass.range_constexpr(chunk):
@@ -102,10 +107,11 @@ class StreamForward:
                             acc = term
                         else:
                             acc = acc + term
-                    sAcc[c, col * vec + v] = acc
+                    sPart[c, col * vec + v] = acc
                 cute.arch.sync_threads()
+                reduce_chunks(sPart, sGrp, sFin[0, None], tidx, n_chunks, ct * vec, threads, False)
                 if c == 0 and cv < n_vec:
                     rO = cute.make_rmem_tensor((vec,), Float32)
                     for v in cutlass.range_constexpr(vec):
-                        rO[v] = combine_chunks(sAcc, col * vec + v, n_chunks, False)
+                        rO[v] = sFin[0, col * vec + v]
                     gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))

@@ -5,7 +5,8 @@ Thread layout as the forward (``col_threads`` x ``row_lanes``), but each thread 
 ``grad_ape`` contributions in registers. At the end the CTA sums its row lanes in a fixed
 order through shared memory and writes one partial slab ``(ratio, coff*d)`` per CTA row group;
 ``ape_reduce`` then sums the slabs in slab order. Nothing depends on the SM count or on
-scheduling, so ``grad_ape`` is bitwise reproducible; there are no atomics.
+scheduling, so ``grad_ape`` is bitwise reproducible. The opt-in ``atomic`` variant adds the
+CTA sums straight into ``grad_ape`` instead (``deterministic=False``).
 
 Every gradient slot is written by this kernel: consumed ones by the thread owning the window,
 the first-half columns of a segment's last block and the segment's tail tokens by the thread
@@ -19,14 +20,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (div_exact, find_segment, load_window, mul_rn, softmax_column, store_zeros,
-                     zero_tokens)
+from .common import (div_exact, find_segment, load_window, mul_rn, softmax_column, store_partial,
+                     store_zeros, zero_tokens)
 from .schedule import Schedule
 
 
 class WindowBackward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule, atomic: bool = False):
         assert sched.family == "window"
+        self.atomic = atomic
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
         self.vec = sched.vec
         self.n_vec = head_dim // sched.vec
@@ -166,7 +168,7 @@ class WindowBackward:
                     acc = sRed[0, c]
                     for y in cutlass.range_constexpr(1, lanes):
                         acc = acc + sRed[y, c]
-                    mSlab[bx, arow, half * n_vec * vec + col0 + c] = acc
+                    store_partial(mSlab, bx, arow, half * n_vec * vec + col0 + c, acc, self.atomic)
             cute.arch.sync_threads()
 
 

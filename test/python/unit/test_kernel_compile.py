@@ -1,0 +1,60 @@
+"""Every shipped kernel variant compiles for sm_90a, sm_100a and sm_80 on a CPU-only machine.
+
+The configurations are picked to reach each code path: register window with vec 8/4/2/1,
+coff 1/2, several column tiles; stream family with the threads < columns combine, ragged
+last chunks and vec 4/2/1; the deterministic backward with its slab reduction and the atomic
+one. A kernel that stops compiling fails CI before anyone reaches a GPU.
+"""
+import pytest
+
+pytest.importorskip("cutlass")
+
+from csa_frontend.compressor.kernels import dispatch  # noqa: E402
+from csa_frontend.compressor.kernels.schedule import choose_schedule  # noqa: E402
+
+CONFIGS = [  # (ratio, coff, head_dim)
+    (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
+    (16, 2, 256), (128, 2, 512), (256, 2, 65), (200, 2, 192), (33, 1, 66),
+]
+ARCHS = ["sm_90a", "sm_100a", "sm_80"]
+
+
+def compile_all(ratio, coff, head_dim, arch):
+    fwd, fwd_sched = dispatch.compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    main, reduce, bwd_sched = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    atomic, no_reduce, _ = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
+                                                     deterministic=False)
+    assert fwd is not None and main is not None and reduce is not None and atomic is not None
+    assert no_reduce is None
+    assert fwd_sched == choose_schedule(ratio, coff, head_dim, "fwd")
+    assert bwd_sched == choose_schedule(ratio, coff, head_dim, "bwd")
+
+
+@pytest.mark.L0
+def test_families_are_covered():
+    families = {(choose_schedule(*c, d).family, d) for c in CONFIGS for d in ("fwd", "bwd")}
+    assert families == {("window", "fwd"), ("window", "bwd"), ("stream", "fwd"), ("stream", "bwd")}
+    vecs = {choose_schedule(*c, "fwd").vec for c in CONFIGS} | {choose_schedule(*c, "bwd").vec for c in CONFIGS}
+    assert {1, 2, 4, 8} <= vecs
+
+
+@pytest.mark.L0
+def test_compiles_sm90a_smoke():
+    compile_all(4, 2, 128, "sm_90a")
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ratio,coff,head_dim", CONFIGS)
+def test_compiles(ratio, coff, head_dim, arch):
+    compile_all(ratio, coff, head_dim, arch)
+
+
+@pytest.mark.L1
+def test_cache_is_keyed_on_static_configuration():
+    before = set(dispatch.cache_keys())
+    compile_all(5, 1, 40, "sm_90a")
+    added = set(dispatch.cache_keys()) - before
+    assert {k[0] for k in added} == {"fwd", "bwd", "bwd_atomic"} and len(added) == 3
+    compile_all(5, 1, 40, "sm_90a")  # same configuration: nothing new
+    assert set(dispatch.cache_keys()) - before == added

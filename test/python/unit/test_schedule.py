@@ -1,0 +1,94 @@
+"""The launch planner (pure Python): families, vector widths, CTA shapes and per-call choices
+at every bucket boundary. None of it may depend on the GPU's SM count."""
+import inspect
+
+import pytest
+
+from csa_frontend.compressor.kernels import schedule as sch
+
+pytestmark = pytest.mark.L0
+
+
+@pytest.mark.parametrize("head_dim,vec", [(128, 8), (4096, 8), (65, 1), (66, 2), (68, 4), (1, 1), (24, 8)])
+def test_vector_width_divides_head_dim(head_dim, vec):
+    assert sch.vector_width(head_dim) == vec
+    assert head_dim % vec == 0
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 64, 127, 128, 200, 255, 256])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("head_dim", [1, 2, 8, 64, 65, 66, 128, 192, 512, 4096])
+def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
+    s = sch.choose_schedule(ratio, coff, head_dim, direction)
+    width = coff * ratio
+    assert head_dim % s.vec == 0
+    n_vec = head_dim // s.vec
+    assert s.col_threads * s.col_tiles >= n_vec > s.col_threads * (s.col_tiles - 1)
+    assert 1 <= s.threads <= 1024
+    if s.family == "window":
+        budget = sch.WINDOW_REGISTER_BUDGET[direction]
+        assert width * s.vec <= budget
+        assert s.vec >= 2 or sch.vector_width(head_dim) == 1
+        assert s.threads <= sch.CTA_THREADS
+    else:
+        assert s.family == "stream"
+        assert s.chunk == max(1, sch.STREAM_CHUNK_VALUES[direction] // s.vec)
+        assert s.row_lanes * s.chunk >= width > (s.row_lanes - 1) * s.chunk  # chunks tile the window
+        assert s.threads <= sch.STREAM_CTA_THREADS
+
+
+def test_window_to_stream_boundary():
+    budget = sch.WINDOW_REGISTER_BUDGET["bwd"]
+    # the widest window that fits at 4-byte accesses stays in registers; one more position streams
+    ratio = budget // 2 // 2  # coff 2, vec 2
+    assert sch.choose_schedule(ratio, 2, 128, "bwd").family == "window"
+    assert sch.choose_schedule(ratio + 1, 2, 128, "bwd").family == "stream"
+
+
+def test_odd_head_dim_keeps_scalar_window():
+    assert sch.choose_schedule(4, 2, 65, "bwd") == sch.Schedule("window", 1, 65, 3, 1)
+
+
+@pytest.mark.parametrize("family_ratio", [4, 128])
+def test_rows_per_thread_boundaries(family_ratio):
+    s = sch.choose_schedule(family_ratio, 2, 128, "bwd")
+    for n_rows in [0, 1, 2, 7, 1000, 4095, 4096, 4097, 10 ** 5, 10 ** 6, 10 ** 7]:
+        rpt = sch.bwd_rows_per_thread(n_rows, s)
+        groups = sch.bwd_row_groups(n_rows, s, rpt)
+        per_cta = rpt if s.family == "stream" else rpt * s.row_lanes
+        assert rpt >= 1
+        assert groups * per_cta >= n_rows > (groups - 1) * per_cta or n_rows == groups == 0
+        if s.family == "window":
+            assert rpt <= sch.BWD_MAX_ROWS_PER_THREAD
+
+
+def test_window_rows_per_thread_bucket_edges():
+    s = sch.choose_schedule(4, 2, 128, "bwd")
+    edge = s.row_lanes * sch.BWD_TARGET_CTAS
+    assert sch.bwd_rows_per_thread(edge, s) == 1
+    assert sch.bwd_rows_per_thread(edge + 1, s) == 2
+    assert sch.bwd_row_groups(edge, s, 1) == sch.BWD_TARGET_CTAS
+    assert sch.bwd_rows_per_thread(10 ** 9, s) == sch.BWD_MAX_ROWS_PER_THREAD
+
+
+def test_stream_forward_rows_per_cta():
+    s = sch.choose_schedule(128, 2, 512, "fwd")
+    assert sch.fwd_rows_per_cta(1, s) == 1
+    n = sch.STREAM_FWD_TARGET_CTAS // s.col_tiles
+    assert sch.fwd_rows_per_cta(n, s) == 1
+    assert sch.fwd_rows_per_cta(n + 1, s) == 2
+
+
+@pytest.mark.parametrize("n_segments", [0, 1, 2, 3, 511, 512, 513])
+def test_zero_fill_covers_every_segment(n_segments):
+    s = sch.choose_schedule(4, 2, 128, "bwd")
+    ctas = sch.zero_fill_ctas(n_segments, s)
+    assert ctas >= 1 and ctas * s.row_lanes >= n_segments
+
+
+def test_planner_never_sees_the_sm_count():
+    for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.fwd_rows_per_cta,
+               sch.zero_fill_ctas):
+        assert not any("sm" in p.lower() for p in inspect.signature(fn).parameters)
+    assert "multi_processor_count" not in inspect.getsource(sch)
