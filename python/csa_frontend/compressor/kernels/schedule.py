@@ -93,6 +93,10 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 #: the state per value (p, gradients, grad_ape partials): at 32 values it spilled (ptxas, 128
 #: registers at 512 threads), at 16 it does not.
 STREAM_CHUNK_VALUES = {"fwd": 32, "bwd": 16}
+#: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=16,bwd=16".
+for _item in filter(None, os.environ.get("CSA_FRONTEND_STREAM_CHUNK", "").split(",")):
+    _direction, _values = _item.split("=")
+    STREAM_CHUNK_VALUES[_direction.strip()] = int(_values)
 STREAM_CTA_THREADS = 256
 
 
