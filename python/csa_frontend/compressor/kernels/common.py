@@ -94,51 +94,27 @@ def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
     return lo
 
 
-@cute.jit
-def load_window(
-    gKV: cute.Tensor,
-    gS: cute.Tensor,
-    gA: cute.Tensor,
-    rS: cute.Tensor,
-    rX: cute.Tensor,
-    own0: Int32,
-    has_prev: cutlass.Boolean,
-    cv: Int32,
-    ratio: cutlass.Constexpr,
-    coff: cutlass.Constexpr,
-    n_vec: cutlass.Constexpr,
-    vec: cutlass.Constexpr,
-):
-    """Gather one row's window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
+class PoolingKernel:
+    """Static configuration every kernel class shares; ``family`` names the schedule it runs."""
 
-    ``rS[k, v]`` = score + ape (fp32; -inf where the position is invalid) and ``rX[k, v]`` =
-    kv (fp32; 0 where invalid), positions ordered as SPEC §2. ``gKV``/``gS``/``gA`` are the
-    inputs divided into ``(1, vec)`` tiles, so each access is one ``vec``-wide vector.
-    ``own0`` is the block's first token.
-    """
-    for k in cutlass.range_constexpr(coff * ratio):
-        if cutlass.const_expr(coff == 2 and k < ratio):
-            # previous block, first-half columns, ape row k
-            if has_prev:
-                kvv = gKV[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
-                scv = gS[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
-                apv = gA[(0, None), (k, cv)].load()
-                for v in cutlass.range_constexpr(vec):
-                    rS[k, v] = scv[v] + apv[v]
-                    rX[k, v] = kvv[v]
-            else:
-                for v in cutlass.range_constexpr(vec):
-                    rS[k, v] = -Float32.inf
-                    rX[k, v] = Float32(0.0)
-        else:
-            i = k - ratio if cutlass.const_expr(coff == 2) else k
-            colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-            kvv = gKV[(0, None), (own0 + i, colt)].load().to(Float32)
-            scv = gS[(0, None), (own0 + i, colt)].load().to(Float32)
-            apv = gA[(0, None), (i, colt)].load()
-            for v in cutlass.range_constexpr(vec):
-                rS[k, v] = scv[v] + apv[v]
-                rX[k, v] = kvv[v]
+    family = ""
+
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False):
+        assert sched.family == self.family, (sched.family, self.family)
+        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
+        self.vec = sched.vec
+        self.n_vec = head_dim // sched.vec
+        self.width = coff * ratio
+        self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
+
+
+@cute.jit
+def load_window(gKV: cute.Tensor, gS: cute.Tensor, gA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
+                own0: Int32, has_prev: cutlass.Boolean, cv: Int32, ratio: cutlass.Constexpr,
+                coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Gather one row's whole window for the columns ``[cv*vec, cv*vec+vec)`` into registers:
+    ``load_chunk`` from position 0, so every position test folds at compile time."""
+    load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, 0, coff * ratio, ratio, coff, n_vec, vec)
 
 
 @cute.jit
@@ -180,17 +156,21 @@ def load_chunk(
     own0: Int32,
     has_prev: cutlass.Boolean,
     cv: Int32,
-    k0: Int32,
+    k0,
     chunk: cutlass.Constexpr,
     ratio: cutlass.Constexpr,
     coff: cutlass.Constexpr,
     n_vec: cutlass.Constexpr,
     vec: cutlass.Constexpr,
 ):
-    """Like ``load_window`` for the positions ``[k0, k0+chunk)`` of the window (stream family).
+    """Gather window positions ``[k0, k0+chunk)`` for the columns ``[cv*vec, cv*vec+vec)``.
 
-    Positions past the window end and invalid previous-block positions read nothing and
-    come back as score -inf / kv 0, which the softmax merge turns into zero weight.
+    ``rS[i, v]`` = score + ape (fp32) and ``rX[i, v]`` = kv (fp32) for position ``k0 + i``,
+    positions ordered as SPEC section 2; ``gKV``/``gS``/``gA`` are the inputs divided into
+    ``(1, vec)`` tiles, so each access is one ``vec``-wide vector, and ``own0`` is the block's
+    first token. Positions past the window end and the previous block of a segment's first
+    block read nothing and come back as score -inf / kv 0 (zero weight). ``k0`` may be a
+    Python int (whole window: the branches fold) or a runtime value (one chunk).
     """
     for i in cutlass.range_constexpr(chunk):
         k = k0 + i

@@ -23,6 +23,9 @@ CTA_THREADS = 256
 #: at 19-42% of the DRAM floor). Swept on the H200 (benchmark/NOTES.md): forward is fastest at
 #: 16 values (vec 2 for r4/c2, 5 CTAs per SM), backward at 32 (vec 4).
 WINDOW_REGISTER_BUDGET = {"fwd": 16, "bwd": 32}
+#: Widest vector per direction: backward at vec 8 (r4 c1, 32 values) ran 3x8192 d512 in 46.6 us,
+#: at vec 4 in 39.2 us (more CTAs per SM); the forward keeps 16-byte accesses where they fit.
+WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
 #: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
 for _item in filter(None, os.environ.get("CSA_FRONTEND_WINDOW_BUDGET", "").split(",")):
     _direction, _values = _item.split("=")
@@ -75,7 +78,7 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
     vec = vector_width(head_dim)
     # Narrow the vector until the register window fits, but not below 4-byte accesses
     # (unless head_dim is odd); a window that still does not fit is streamed instead.
-    narrow = vec
+    narrow = min(vec, WINDOW_MAX_VEC[direction])
     while narrow > 1 and not window_fits(ratio, coff, narrow, direction):
         narrow //= 2
     if not (window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1)):
@@ -89,10 +92,10 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 
 
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
-#: one row's whole window (n_chunks lanes) for col_threads column slices. Backward keeps twice
-#: the state per value (p, gradients, grad_ape partials): at 32 values it spilled (ptxas, 128
-#: registers at 512 threads), at 16 it does not.
-STREAM_CHUNK_VALUES = {"fwd": 32, "bwd": 16}
+#: one row's whole window (n_chunks lanes) for col_threads column slices. Swept on the H200
+#: (benchmark/NOTES.md): 16 is fastest in both directions (backward spilled at 32 with 512
+#: threads; forward at 16 runs 1x65536 r128 c2 d512 in 206 us against 220 at 32).
+STREAM_CHUNK_VALUES = {"fwd": 16, "bwd": 16}
 #: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=16,bwd=16".
 for _item in filter(None, os.environ.get("CSA_FRONTEND_STREAM_CHUNK", "").split(",")):
     _direction, _values = _item.split("=")

@@ -14,19 +14,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (chunk_softmax, div_exact, find_segment, load_chunk, mul_rn, reduce_chunks,
-                     store_partial, zero_tokens)
-from .schedule import Schedule
+from .common import (PoolingKernel, chunk_softmax, div_exact, find_segment, load_chunk, mul_rn,
+                     reduce_chunks, store_partial, zero_tokens)
 from .stream_fwd import partial_buffers
 
 
-class StreamBackward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule, atomic: bool = False):
-        assert sched.family == "stream"
-        self.atomic = atomic
-        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
-        self.vec = sched.vec
-        self.n_vec = head_dim // sched.vec
+class StreamBackward(PoolingKernel):
+    family = "stream"
 
     @cute.jit
     def __call__(

@@ -17,8 +17,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import chunk_softmax, div_exact, find_segment, load_chunk, mul_rn, reduce_chunks
-from .schedule import Schedule
+from .common import (PoolingKernel, chunk_softmax, div_exact, find_segment, load_chunk, mul_rn,
+                     reduce_chunks)
 
 
 def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
@@ -43,12 +43,8 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
     return t0, blk
 
 
-class StreamForward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
-        assert sched.family == "stream"
-        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
-        self.vec = sched.vec
-        self.n_vec = head_dim // sched.vec
+class StreamForward(PoolingKernel):
+    family = "stream"
 
     @cute.jit
     def __call__(

@@ -20,19 +20,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (div_exact, find_segment, load_window, mul_rn, softmax_column, store_partial,
-                     store_zeros, zero_tokens)
-from .schedule import Schedule
+from .common import (PoolingKernel, div_exact, find_segment, load_window, mul_rn, softmax_column,
+                     store_partial, store_zeros, zero_tokens)
 
 
-class WindowBackward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule, atomic: bool = False):
-        assert sched.family == "window"
-        self.atomic = atomic
-        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
-        self.vec = sched.vec
-        self.n_vec = head_dim // sched.vec
-        self.width = coff * ratio
+class WindowBackward(PoolingKernel):
+    family = "window"
 
     @cute.jit
     def __call__(

@@ -18,17 +18,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import div_exact, find_segment, load_window, mul_rn, softmax_column
-from .schedule import Schedule
+from .common import PoolingKernel, div_exact, find_segment, load_window, mul_rn, softmax_column
 
 
-class WindowForward:
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched: Schedule):
-        assert sched.family == "window"
-        self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
-        self.vec = sched.vec
-        self.n_vec = head_dim // sched.vec
-        self.width = coff * ratio
+class WindowForward(PoolingKernel):
+    family = "window"
 
     @cute.jit
     def __call__(
