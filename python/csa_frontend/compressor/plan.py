@@ -253,8 +253,8 @@ def check_offsets(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, num_t
                   ratio: int, total_comp: int, rows_name: str = "total_comp") -> None:
     """Content checks of the offset arrays (structure already checked). Copies them to the host:
     a synchronisation when they live on a GPU."""
-    cu = cu_seqlens.to("cpu", torch.int64)
-    comp = cu_seqlens_comp.to("cpu", torch.int64)
+    # One device-to-host copy (one synchronisation) for both arrays.
+    cu, comp = torch.cat((cu_seqlens, cu_seqlens_comp)).to("cpu", torch.int64).split(cu_seqlens.shape[0])
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(cu[0])}")
     lengths = cu[1:] - cu[:-1]
@@ -264,9 +264,11 @@ def check_offsets(cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, num_t
             f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{bad + 1}] = {int(cu[bad + 1])} "
             f"< cu_seqlens[{bad}] = {int(cu[bad])}"
         )
-    if int(cu[-1]) > num_tokens:
+    bad = _first_true(cu > num_tokens)  # offsets are non-decreasing: from here on all are beyond T
+    if bad >= 0:
         raise ValueError(
-            f"cu_seqlens: expected cu_seqlens[-1] <= T = kv.shape[0] = {num_tokens}, got {int(cu[-1])}"
+            f"cu_seqlens: expected cu_seqlens[{bad}] <= T = kv.shape[0] = {num_tokens} (offsets end at or "
+            f"below the token count), got {int(cu[bad])}"
         )
     expected = torch.zeros_like(comp)
     torch.cumsum(lengths // ratio, 0, out=expected[1:])

@@ -123,7 +123,7 @@ CASES = [
     case("cu_seqlens-decreasing", "cu_seqlens", set_item(2, 3), ValueError,
          "cu_seqlens: expected non-decreasing offsets, got cu_seqlens[2] = 3 < cu_seqlens[1] = 9"),
     case("cu_seqlens-beyond-T", "cu_seqlens", set_item(4, 31), ValueError,
-         "cu_seqlens: expected cu_seqlens[-1] <= T = kv.shape[0] = 30, got 31"),
+         "cu_seqlens: expected cu_seqlens[4] <= T = kv.shape[0] = 30", "got 31"),
     case("cu_seqlens_comp-start", "cu_seqlens_comp", set_item(0, 1), ValueError,
          "cu_seqlens_comp: expected cu_seqlens_comp[0] == 0"),
     case("cu_seqlens_comp-mismatch", "cu_seqlens_comp", set_item(3, 4), ValueError,
