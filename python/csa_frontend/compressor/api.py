@@ -46,9 +46,14 @@ def _kernels():
     return kernels
 
 
-def _check_stream(stream) -> None:
-    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+def _check_stream(stream, device: torch.device) -> None:
+    """``stream``: None, or a torch.cuda.Stream of the device the tensors are on."""
+    if stream is None:
+        return
+    if not isinstance(stream, torch.cuda.Stream):
         raise ValueError(f"stream: expected a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if device.type == "cuda" and stream.device != device:
+        raise ValueError(f"stream: expected a stream of {device} (the device of kv), got one of {stream.device}")
 
 
 def _record_on(stream, device: torch.device, tensors) -> None:
@@ -185,7 +190,7 @@ class CSACompressorForward(_CompressorOp):
         self._require_compiled()
         plan.check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config, self.device,
                            _PLANNED_DEVICE)
-        _check_stream(current_stream)
+        _check_stream(current_stream, self.device)
         self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, current_stream, "out.shape[0]")
 
     def _run(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, rows_name: str) -> None:
@@ -236,7 +241,7 @@ class CSACompressorBackward(_CompressorOp):
         self._require_compiled()
         plan.check_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
                             grad_ape, self.config, self.device, _PLANNED_DEVICE)
-        _check_stream(current_stream)
+        _check_stream(current_stream, self.device)
         self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
                   current_stream, "grad_out.shape[0]")
 
@@ -301,7 +306,7 @@ def _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, he
     plan.check_is_tensor("kv", kv)
     cfg = plan.make_config(kv, ratio, coff, head_dim)
     plan.check_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, cfg, kv.device, _KV_DEVICE)
-    _check_stream(stream)
+    _check_stream(stream, kv.device)
     return cfg
 
 
