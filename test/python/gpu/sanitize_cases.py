@@ -1,0 +1,69 @@
+"""A small, representative set of fused-kernel launches for compute-sanitizer (see sanitize.sh).
+
+Each case runs forward and backward through the public wrappers, whose outputs and gradients
+come from ``torch.empty`` (so initcheck sees any read of an element no kernel wrote), on packs
+with empty segments, segments shorter than ratio, tails, tokens past ``cu_seqlens[-1]`` and
+padding rows; then a side-stream call and a pack without output rows. Results are checked
+against the fp32 reference loosely: the numerics contract is the pytest suites' job, this
+script only has to make sure the launches it sanitizes did real work.
+
+    python test/python/gpu/sanitize_cases.py      # exits non-zero on a failed check
+"""
+import sys
+
+import torch
+
+from csa_frontend import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+from csa_frontend.compressor.reference import reference_backward, reference_forward
+from packs import edge_lengths, offsets, random_inputs
+
+# (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
+# the own-block window, and a ratio served by the stream family.
+CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128)]
+SPARE_TOKENS, PADDING_ROWS = 3, 2
+
+
+def run_case(ratio, coff, head_dim, stream=None):
+    gen = torch.Generator(device="cuda").manual_seed(ratio + coff)
+    cu, comp = offsets(edge_lengths(ratio), ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + SPARE_TOKENS, ratio, coff, head_dim, generator=gen)
+    total = int(comp[-1]) + PADDING_ROWS
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    kw = dict(ratio=ratio, coff=coff, stream=stream)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    out = csa_compressor_forward_wrapper(kv, score, ape, cu, comp, total_comp=total, **kw)["out"]
+    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, **kw)
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
+    want = (reference_forward(kv, score, ape, cu, comp, ratio, coff, total),
+            *reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff))
+    for name, got, ref in zip(("out", "grad_kv", "grad_score", "grad_ape"), (out, *grads), want):
+        ref = ref.float()
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * max(1.0, float(ref.abs().max())),
+                                   msg=lambda m: f"r{ratio} c{coff} d{head_dim} {name}: {m}")
+
+
+def run_empty(ratio=4, coff=2, head_dim=128):
+    """Every segment shorter than ratio: no rows, nothing launched forward, zero gradients."""
+    cu, comp = offsets([ratio - 1, 0, 1], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
+    out = csa_compressor_forward_wrapper(kv, score, ape, cu, comp, ratio=ratio, coff=coff, total_comp=0)["out"]
+    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, out.new_empty(0, head_dim), ratio=ratio,
+                                            coff=coff)
+    assert out.shape == (0, head_dim) and not any(bool(g.any()) for g in grads)
+
+
+def main():
+    for case in CASES:
+        run_case(*case)
+        print(f"r{case[0]} c{case[1]} d{case[2]}: ok", flush=True)
+    run_case(*CASES[0], stream=torch.cuda.Stream())
+    run_empty()
+    torch.cuda.synchronize()
+    print("side stream and empty pack: ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
