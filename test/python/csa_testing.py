@@ -212,6 +212,33 @@ def sentinel_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, -7)
 
 
+# -- calls ----------------------------------------------------------------------------------------
+
+def leaves(*tensors) -> List[torch.Tensor]:
+    """Fresh leaf copies that require grad."""
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def execute_forward(inputs, out, ratio: int, coff: int, stream=None):
+    """CSACompressorForward planned from the call's own tensors, compiled and executed; ``out``."""
+    from csa_frontend import CSACompressorForward
+
+    op = CSACompressorForward(*inputs, out, ratio=ratio, coff=coff)
+    op.compile()
+    op.execute(*inputs, out, current_stream=stream)
+    return out
+
+
+def execute_backward(inputs, grad_out, grads, ratio: int, coff: int, stream=None):
+    """CSACompressorBackward planned from the call's own tensors, compiled and executed; ``grads``."""
+    from csa_frontend import CSACompressorBackward
+
+    op = CSACompressorBackward(*inputs, grad_out, *grads, ratio=ratio, coff=coff)
+    op.compile()
+    op.execute(*inputs, grad_out, *grads, current_stream=stream)
+    return grads
+
+
 # -- the numerics contract of whichever path produced a result ------------------------------------
 
 def kernel_family(pack: Pack, direction: str) -> str:

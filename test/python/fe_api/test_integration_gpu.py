@@ -14,9 +14,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import csa_frontend.compressor.api as api
-from csa_frontend import (CSACompressorBackward, CSACompressorForward, csa_compress,
+from csa_frontend import (CSACompressorBackward, csa_compress,
                           csa_compressor_backward_wrapper, csa_compressor_forward_wrapper)
-from csa_testing import make_pack, offsets, sentinel_like
+from csa_testing import execute_backward, execute_forward, leaves, make_pack, offsets, sentinel_like
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +43,7 @@ def _pack(i):
 
 
 def _leaves(pack):
-    return [t.clone().requires_grad_() for t in (pack.kv, pack.score, pack.ape)]
+    return leaves(pack.kv, pack.score, pack.ape)
 
 
 # -- torch.compile ---------------------------------------------------------------------------------
@@ -187,15 +187,15 @@ def test_training_step_captures_and_replays_in_a_cuda_graph():
         comp.copy_(new_comp)
         graph.replay()
         torch.cuda.synchronize()
-        leaves = [t.detach().clone().requires_grad_() for t in (kv, score, model.ape)]
-        want = csa_compress(*leaves, cu, comp, ratio=RATIO, coff=COFF, total_comp=capacity)
+        copies = leaves(kv, score, model.ape)
+        want = csa_compress(*copies, cu, comp, ratio=RATIO, coff=COFF, total_comp=capacity)
         want_loss = (want.float() * weight).sum()
         want_loss.backward()
         assert torch.equal(out, want) and torch.equal(loss, want_loss), f"replay {i}"
-        assert torch.equal(model.ape.grad, leaves[2].grad), f"replay {i}"
+        assert torch.equal(model.ape.grad, copies[2].grad), f"replay {i}"
         with torch.no_grad():  # the Linear layers: cuBLAS in both, compared with bf16 tolerance
             torch.testing.assert_close(kv, model.to_kv(x), rtol=1.6e-2, atol=1e-2)
-            for layer, grad in ((model.to_kv, leaves[0].grad), (model.to_score, leaves[1].grad)):
+            for layer, grad in ((model.to_kv, copies[0].grad), (model.to_score, copies[1].grad)):
                 w = grad.t() @ x
                 torch.testing.assert_close(layer.weight.grad, w, rtol=1.6e-2,
                                            atol=1e-2 * float(w.float().abs().max()))
@@ -227,20 +227,14 @@ def _backward_wrapper(t, total, stream):
 
 def _forward_class(t, total, stream):
     inputs = (t["kv"], t["score"], t["ape"], t["cu_seqlens"], t["cu_seqlens_comp"])
-    out = torch.empty(total, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    op = CSACompressorForward(*inputs, out, ratio=RATIO, coff=COFF)
-    op.compile()
-    op.execute(*inputs, out, current_stream=stream)
-    return (out,)
+    out = torch.empty(total, HEAD_DIM, dtype=torch.bfloat16, device=t["kv"].device)
+    return (execute_forward(inputs, out, RATIO, COFF, stream),)
 
 
 def _backward_class(t, total, stream):
     inputs = (t["kv"], t["score"], t["ape"], t["cu_seqlens"], t["cu_seqlens_comp"])
     grads = [torch.empty_like(t[name]) for name in ("kv", "score", "ape")]
-    op = CSACompressorBackward(*inputs, t["grad_out"], *grads, ratio=RATIO, coff=COFF)
-    op.compile()
-    op.execute(*inputs, t["grad_out"], *grads, current_stream=stream)
-    return tuple(grads)
+    return tuple(execute_backward(inputs, t["grad_out"], grads, RATIO, COFF, stream))
 
 
 def _overwrite_freed(sizes):
@@ -314,14 +308,9 @@ def _every_call(pack, side):
     csa_compressor_forward_wrapper(*pack.inputs, ratio=RATIO, total_comp=pack.total_comp, stream=side)
     csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=RATIO, stream=side)
     torch.cuda.current_stream().wait_stream(side)
-    out = torch.empty(pack.total_comp, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    fwd = CSACompressorForward(*pack.inputs, out, ratio=RATIO, coff=COFF)
-    fwd.compile()
-    fwd.execute(*pack.inputs, out)
-    grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
-    bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, ratio=RATIO, coff=COFF)
-    bwd.compile()
-    bwd.execute(*pack.inputs, pack.grad_out, *grads)
+    execute_forward(pack.inputs, torch.empty(pack.total_comp, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
+                    RATIO, COFF)
+    execute_backward(pack.inputs, pack.grad_out, [torch.empty_like(t) for t in pack.inputs[:3]], RATIO, COFF)
     pooled = csa_compress(*_leaves(pack), pack.cu_seqlens, pack.cu_seqlens_comp, total_comp=pack.total_comp)
     (pooled.float() * pack.grad_out.float()).sum().backward()
 

@@ -8,10 +8,9 @@ import torch
 
 import csa_frontend.compressor.api as api
 from csa_frontend import CSACompressorBackward, CSACompressorForward
+from csa_frontend.compressor.plan import INT32_LIMIT
 from csa_testing import (BAD_OFFSETS, THREAD_CONFIGS, assert_like_reference, assert_offsets_rejected,
                          bad_offset_pack, compile_log_descriptions, concurrent_wrapper_calls)
-
-INT32_LIMIT = 2**31
 
 
 def _meta_op(direction, tokens, rows, ratio, coff, head_dim):

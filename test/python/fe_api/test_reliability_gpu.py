@@ -8,18 +8,19 @@ import pytest
 import torch
 
 import csa_frontend.compressor.api as api
-from csa_frontend import (CSACompressorBackward, CSACompressorForward, csa_compress,
-                          csa_compressor_backward_wrapper, csa_compressor_forward_wrapper)
+from csa_frontend import (CSACompressorForward, csa_compress, csa_compressor_backward_wrapper,
+                          csa_compressor_forward_wrapper)
 from csa_frontend.compressor.kernels import dispatch
 from csa_frontend.compressor.kernels.schedule import choose_schedule
 from csa_frontend.compressor.reference import build_windows, reference_backward, reference_forward
+from csa_frontend.compressor.plan import INT32_LIMIT
 from csa_testing import (BAD_OFFSETS, THREAD_CONFIGS, assert_contract, assert_like_reference,
                          assert_offsets_rejected, bad_offset_pack, compile_log_descriptions,
-                         concurrent_wrapper_calls, make_pack, offsets)
+                         concurrent_wrapper_calls, execute_backward, execute_forward, leaves, make_pack,
+                         offsets)
 
 pytestmark = pytest.mark.gpu
 
-INT32_LIMIT = 2**31
 GiB = 1 << 30
 
 
@@ -269,19 +270,17 @@ def _every_route(pack):
     op = CSACompressorForward(*meta, ratio=pack.ratio, coff=pack.coff, device=device)
     op.compile()
     op.execute(*pack.inputs, out)
-    grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
-    bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, ratio=pack.ratio, coff=pack.coff)
-    bwd.compile()
-    bwd.execute(*pack.inputs, pack.grad_out, *grads)
+    grads = execute_backward(pack.inputs, pack.grad_out, [torch.empty_like(t) for t in pack.inputs[:3]],
+                             pack.ratio, pack.coff)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     on_side = _run_wrappers(pack, stream=side)
     torch.cuda.current_stream(device).wait_stream(side)
-    leaves = [t.clone().requires_grad_() for t in (pack.kv, pack.score, pack.ape)]
-    pooled = csa_compress(*leaves, pack.cu_seqlens, pack.cu_seqlens_comp, ratio=pack.ratio, coff=pack.coff,
+    copies = leaves(pack.kv, pack.score, pack.ape)
+    pooled = csa_compress(*copies, pack.cu_seqlens, pack.cu_seqlens_comp, ratio=pack.ratio, coff=pack.coff,
                           total_comp=pack.total_comp)
     (pooled.float() * pack.grad_out.float()).sum().backward()
-    return results + [out, *grads] + list(on_side) + [pooled.detach()] + [t.grad for t in leaves]
+    return results + [out, *grads] + list(on_side) + [pooled.detach()] + [t.grad for t in copies]
 
 
 @pytest.mark.L0
@@ -357,14 +356,8 @@ def _slice_reference(kv, score, ape, grad_out, cu, comp, row, ratio, coff):
 
 def _nan_filled_run(inputs, out, grad_out, ratio, coff):
     """Both classes on NaN-filled outputs; returns (grad_kv, grad_score, grad_ape)."""
-    fwd = CSACompressorForward(*inputs, out, ratio=ratio, coff=coff)
-    fwd.compile()
-    fwd.execute(*inputs, out)
-    grads = [torch.full_like(t, math.nan) for t in inputs[:3]]
-    bwd = CSACompressorBackward(*inputs, grad_out, *grads, ratio=ratio, coff=coff)
-    bwd.compile()
-    bwd.execute(*inputs, grad_out, *grads)
-    return grads
+    execute_forward(inputs, out, ratio, coff)
+    return execute_backward(inputs, grad_out, [torch.full_like(t, math.nan) for t in inputs[:3]], ratio, coff)
 
 
 def check_token_extent(tokens, device):
