@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -29,8 +30,12 @@ log = logging.getLogger("csa_frontend")
 #: Architectures whose code generation CI checks; sm_90a is the one validated on hardware.
 SUPPORTED_ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
-_cache: Dict[Tuple, Callable] = {}
-_lock = threading.Lock()
+#: Compiled configurations kept, least recently compiled-or-used evicted first. A training job
+#: uses a handful; the bound only matters for sweeps over many configurations.
+KERNEL_CACHE_SIZE = 256
+
+_cache: "OrderedDict[Tuple, Callable]" = OrderedDict()
+_lock = threading.RLock()
 
 
 def arch_of(device: torch.device) -> str:
@@ -46,26 +51,37 @@ def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 
 def cache_keys():
-    """The static configurations compiled so far (for tests and diagnostics)."""
+    """The static configurations compiled so far: ``(direction, arch, ratio, coff, head_dim,
+    schedule)`` with direction in {fwd, bwd, bwd_atomic} (for tests and diagnostics)."""
     with _lock:
         return list(_cache)
 
 
+def clear_cache() -> None:
+    """Forget every compiled kernel (the next call of each configuration compiles again)."""
+    with _lock:
+        _cache.clear()
+        _by_device.clear()
+
+
 def _compiled(key: Tuple, build: Callable[[], Callable]) -> Callable:
-    fn = _cache.get(key)
-    if fn is not None:
-        return fn
     with _lock:
         fn = _cache.get(key)
-        if fn is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"csa_frontend: kernel {key} would compile during CUDA-graph capture; "
-                    "call compile() or run once before capturing")
-            t = time.perf_counter()
-            fn = build()
-            log.info("compiled %s in %.2f s", key, time.perf_counter() - t)
-            _cache[key] = fn
+        if fn is not None:
+            _cache.move_to_end(key)
+            return fn
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"csa_frontend: kernel {key} would compile during CUDA-graph capture; "
+                "call compile() or run once before capturing")
+        t = time.perf_counter()
+        fn = build()
+        log.info("compiled %s in %.2f s", key, time.perf_counter() - t)
+        _cache[key] = fn
+        while len(_cache) > KERNEL_CACHE_SIZE:
+            _, evicted = _cache.popitem(last=False)
+            for k in [k for k, v in _by_device.items() if v is evicted]:
+                del _by_device[k]
     return fn
 
 
