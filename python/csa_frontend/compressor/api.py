@@ -300,6 +300,93 @@ def _cached_op(key: Hashable, build: Callable[[], _CompressorOp]) -> _Compressor
 def clear_op_cache() -> None:
     with _op_cache_lock:
         _op_cache.clear()
+        _fast_plans.clear()
+
+
+# -- the wrappers' fast path -------------------------------------------------------------------
+#
+# Eager training loops call the wrappers thousands of times per step with tensors that look the
+# same every time. After one fully checked call on a CUDA device, later calls with the default
+# stream and no validation are matched against the plan in one expression (~2 us instead of the
+# ~15 us of the named checks); anything that does not match falls through to the full checks,
+# which raise the precise error. Content checks are not skipped: without validation the CUDA
+# path never reads the offsets on the host anyway.
+
+#: (device, ratio, coff, head_dim) -> the compiled operator of that configuration
+_fast_plans: dict = {}
+_BF16, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
+
+
+def _fast_key(kv, ratio, coff, head_dim):
+    return (kv.device, ratio, coff, head_dim if head_dim is not None else kv.shape[1] // coff)
+
+
+def _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
+    """The inputs are exactly what ``op`` was planned and compiled for (dtype, rank, static
+    extents, device, contiguity, 16-byte alignment, int32 extent of kv)."""
+    cfg, dev = op.config, op.device
+    cols = cfg.coff * cfg.head_dim
+    return (kv.dtype is _BF16 and score.dtype is _BF16 and ape.dtype is _F32
+            and cu_seqlens.dtype is _I32 and cu_seqlens_comp.dtype is _I32
+            and kv.dim() == 2 and kv.shape[1] == cols and score.shape == kv.shape
+            and ape.shape == (cfg.ratio, cols) and cu_seqlens.dim() == 1
+            and cu_seqlens_comp.shape == cu_seqlens.shape and cu_seqlens.shape[0] >= 1
+            and kv.numel() < plan.INT32_LIMIT
+            and kv.device == dev and score.device == dev and ape.device == dev
+            and cu_seqlens.device == dev and cu_seqlens_comp.device == dev
+            and kv.is_contiguous() and score.is_contiguous() and ape.is_contiguous()
+            and cu_seqlens.is_contiguous() and cu_seqlens_comp.is_contiguous()
+            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15)
+
+
+def _fast_rows_ok(rows, kv, cfg) -> bool:
+    return (type(rows) is int and 0 <= rows and rows * cfg.head_dim < plan.INT32_LIMIT
+            and (rows == 0 or kv.shape[0] >= cfg.ratio))
+
+
+def _fast_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, total_comp):
+    """``out`` by the fast path, or None to take the checked path."""
+    try:
+        op = _fast_plans.get(("forward",) + _fast_key(kv, ratio, coff, head_dim))
+        if (op is None or not _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp)
+                or not _fast_rows_ok(total_comp, kv, op.config) or plan.validate_requested(None)):
+            return None
+    except Exception:  # anything odd: the checked path names it
+        return None
+    cfg = op.config
+    out = torch.empty((total_comp, cfg.head_dim), dtype=_BF16, device=kv.device)
+    if total_comp:
+        _kernels().forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff,
+                           head_dim=cfg.head_dim)
+    return out
+
+
+def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, deterministic):
+    """``(grad_kv, grad_score, grad_ape)`` by the fast path, or None to take the checked path."""
+    try:
+        op = _fast_plans.get(("backward", deterministic) + _fast_key(kv, ratio, coff, head_dim))
+        if (op is None or not _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp)
+                or grad_out.dtype is not _BF16 or grad_out.dim() != 2
+                or grad_out.shape[1] != op.config.head_dim or grad_out.device != op.device
+                or not grad_out.is_contiguous() or grad_out.data_ptr() & 15
+                or not _fast_rows_ok(grad_out.shape[0], kv, op.config) or plan.validate_requested(None)):
+            return None
+    except Exception:  # anything odd: the checked path names it
+        return None
+    determinism_guard(deterministic)
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    cfg = op.config
+    _kernels().backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, ratio=cfg.ratio,
+                        coff=cfg.coff, head_dim=cfg.head_dim, deterministic=deterministic)
+    return grads
+
+
+def _remember_fast(key, op, stream, validate) -> None:
+    """Offer a fully checked CUDA operator to the fast path."""
+    if op.device.type == "cuda" and stream is None and not validate:
+        if len(_fast_plans) >= OP_CACHE_SIZE:
+            _fast_plans.clear()
+        _fast_plans[key] = op
 
 
 def _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream):
@@ -317,6 +404,10 @@ def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, 
     """Allocate ``out`` (total_comp, head_dim) bf16 and run the forward pooling; returns
     ``{"out": out}``. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (a sync on CUDA); pass it
     explicitly to stay sync-free and CUDA-graph capturable."""
+    if stream is None and validate is None:
+        out = _fast_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, total_comp)
+        if out is not None:
+            return OpResult(out=out)
     cfg = _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream)
     if total_comp is None:
         total_comp = int(cu_seqlens_comp[-1])
@@ -329,6 +420,7 @@ def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, 
                                      coff=cfg.coff, head_dim=cfg.head_dim, validate=validate),
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, "total_comp")
+    _remember_fast(("forward", kv.device, cfg.ratio, cfg.coff, cfg.head_dim), op, stream, validate)
     return OpResult(out=out)
 
 
@@ -338,6 +430,11 @@ def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp,
     """Allocate the gradients and run the backward pooling; returns
     ``{"grad_kv", "grad_score", "grad_ape"}`` (also unpackable in that order). Gradients of
     padding rows (``cu_seqlens_comp[-1] <= row < grad_out.shape[0]``) are ignored."""
+    if stream is None and validate is None and type(deterministic) is bool:
+        grads = _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim,
+                               deterministic)
+        if grads is not None:
+            return OpResult(grad_kv=grads[0], grad_score=grads[1], grad_ape=grads[2])
     cfg = _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream)
     plan.check_row_operand("grad_out", grad_out, torch.bfloat16, cfg, kv.device)
     plan.check_rows("grad_out.shape[0]", grad_out.shape[0], kv.shape[0], cfg)
@@ -354,4 +451,5 @@ def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp,
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
             "grad_out.shape[0]")
+    _remember_fast(("backward", deterministic, kv.device, cfg.ratio, cfg.coff, cfg.head_dim), op, stream, validate)
     return OpResult(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

@@ -237,6 +237,9 @@ def _backward_class(t, total, stream):
     return tuple(execute_backward(inputs, t["grad_out"], grads, RATIO, COFF, stream))
 
 
+FORWARD_ROUTES = (_forward_wrapper, _forward_class)
+
+
 def _overwrite_freed(sizes):
     """Allocate on the current stream what was just freed (a few of each size, so equal-sized free
     blocks elsewhere cannot absorb them all) and overwrite it: NaN in data, zeros in offsets
@@ -259,6 +262,8 @@ def _run_while_the_side_stream_sleeps(route):
     overwriting tensor landed in memory the inputs had held)."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     tensors, total = _stream_inputs()
+    if route in FORWARD_ROUTES:
+        del tensors["grad_out"]  # the forward never reads it, so nothing protects its memory
     expected = route(tensors, total, None)  # also compiles
     side.wait_stream(main)
     with torch.cuda.stream(side):

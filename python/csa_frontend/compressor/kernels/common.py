@@ -75,6 +75,19 @@ def store_partial(mSlab: cute.Tensor, group: Int32, arow: Int32, col: Int32, val
 
 
 @cute.jit
+def block_start(t0: Int32, blk: Int32, ratio: cutlass.Constexpr, n_tok: Int32):
+    """(first token of the block, whether its previous block is valid), clamped into the pack.
+
+    For offsets that passed validation the clamp changes nothing; for corrupt ones (never
+    validated, or freed memory read through a stream race) it keeps every access inside kv and
+    score, so a bad pack gives bad numbers instead of an illegal address.
+    """
+    own0 = cutlass.max(cutlass.min(t0 + blk * ratio, n_tok - ratio), 0)
+    has_prev = blk > 0 and own0 >= ratio
+    return own0, has_prev
+
+
+@cute.jit
 def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
     """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]`` (binary search).
 
@@ -106,6 +119,18 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
+
+
+@cute.jit
+def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """(first token, block index) of ``row``; padding rows pool segment 0's first block."""
+    t0 = Int32(0)
+    blk = Int32(0)
+    if row < mCuC[n_seg]:
+        seg = find_segment(mCuC, n_seg, row)
+        t0 = mCu[seg]
+        blk = row - mCuC[seg]
+    return t0, blk
 
 
 @cute.jit
@@ -292,7 +317,11 @@ def chunk_softmax(rS: cute.Tensor, sPart: cute.Tensor, sGrp: cute.Tensor, sFin: 
 @cute.jit
 def zero_tokens(gGKV: cute.Tensor, gGS: cute.Tensor, begin: Int32, end: Int32, step: Int32, cv: Int32,
                 coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Exact zeros in column slice ``cv`` (both halves) of tokens ``begin, begin+step, ... < end``."""
+    """Exact zeros in column slice ``cv`` (the first ``coff`` halves) of tokens ``begin,
+    begin+step, ... < end``, clamped into the pack like ``block_start``."""
+    n_tok = gGKV.shape[1][0]
+    begin = cutlass.max(begin, 0)
+    end = cutlass.min(end, n_tok)
     n = (end - begin + step - 1) // step
     for j in cutlass.range(n, unroll=1):
         for half in cutlass.range_constexpr(coff):

@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (PoolingKernel, chunk_softmax, div_exact, find_segment, load_chunk, mul_rn,
+from .common import (PoolingKernel, block_start, chunk_softmax, div_exact, find_segment, load_chunk, mul_rn,
                      reduce_chunks, store_partial, zero_tokens)
 from .stream_fwd import partial_buffers
 
@@ -78,7 +78,7 @@ class StreamBackward(PoolingKernel):
                     seg = find_segment(mCuC, n_seg, row)
                     t0 = mCu[seg]
                     blk = row - mCuC[seg]
-                    own0 = t0 + blk * ratio
+                    own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
                     rS = cute.make_rmem_tensor((chunk, vec), Float32)
                     rX = cute.make_rmem_tensor((chunk, vec), Float32)
                     rG = cute.make_rmem_tensor((vec,), Float32)
@@ -86,7 +86,7 @@ class StreamBackward(PoolingKernel):
                     rX.fill(0.0)
                     rG.fill(0.0)
                     if col_ok:
-                        load_chunk(gKV, gS, gA, rS, rX, own0, blk > 0, cv, k0, chunk, ratio, coff, n_vec, vec)
+                        load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec)
                         rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
                     rDen = cute.make_rmem_tensor((vec,), Float32)
                     chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec,
@@ -115,7 +115,12 @@ class StreamBackward(PoolingKernel):
                         g = rG[v]
                         for i in cutlass.range_constexpr(chunk):
                             gs = rX[i, v] - mul_rn(rS[i, v], ssum)
-                            rPart[i, v] = rPart[i, v] + gs
+                            # an invalid position's gs is 0 - 0*S: NaN when S is; keep it out
+                            if cutlass.const_expr(coff == 2):
+                                if k0 + i >= ratio or has_prev:
+                                    rPart[i, v] = rPart[i, v] + gs
+                            else:
+                                rPart[i, v] = rPart[i, v] + gs
                             rGS[i, v] = gs.to(BFloat16)
                             rGKV[i, v] = mul_rn(g, rS[i, v]).to(BFloat16)
                     if col_ok:
@@ -128,7 +133,7 @@ class StreamBackward(PoolingKernel):
                                 if cutlass.const_expr(coff == 2):
                                     if k < ratio:
                                         tok = own0 - ratio + k
-                                        ok = blk > 0
+                                        ok = has_prev
                                     else:
                                         tok = own0 + k - ratio
                                         colt = cv + n_vec

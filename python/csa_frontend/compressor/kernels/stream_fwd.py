@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, chunk_softmax, div_exact, find_segment, load_chunk, mul_rn,
+from .common import (PoolingKernel, block_start, chunk_softmax, div_exact, load_chunk, mul_rn, row_start,
                      reduce_chunks)
 
 
@@ -29,18 +29,6 @@ def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
         smem.allocate_tensor(Float32, cute.make_layout((rows, tile_cols), stride=(tile_cols, 1)), 16)
         for rows in (n_chunks, groups, 1)
     )
-
-
-@cute.jit
-def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
-    """(first token, block index) of ``row``; padding rows pool segment 0's first block."""
-    t0 = Int32(0)
-    blk = Int32(0)
-    if row < mCuC[n_seg]:
-        seg = find_segment(mCuC, n_seg, row)
-        t0 = mCu[seg]
-        blk = row - mCuC[seg]
-    return t0, blk
 
 
 class StreamForward(PoolingKernel):
@@ -89,8 +77,9 @@ class StreamForward(PoolingKernel):
                 rS.fill(-Float32.inf)
                 rX.fill(0.0)
                 if cv < n_vec:
-                    load_chunk(gKV, gS, gA, rS, rX, t0 + blk * self.ratio, blk > 0, cv,
-                               c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
+                    own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
+                    load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, c * chunk, chunk, self.ratio,
+                               self.coff, n_vec, vec)
                 rDen = cute.make_rmem_tensor((vec,), Float32)
                 chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec, threads)
                 for v in cutlass.range_constexpr(vec):

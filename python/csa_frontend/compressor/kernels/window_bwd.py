@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, div_exact, find_segment, load_window, mul_rn, softmax_column,
+from .common import (PoolingKernel, block_start, div_exact, find_segment, load_window, mul_rn, softmax_column,
                      store_partial, store_zeros, zero_tokens)
 
 
@@ -78,10 +78,10 @@ class WindowBackward(PoolingKernel):
                     seg = find_segment(mCuC, n_seg, row)
                     t0 = mCu[seg]
                     blk = row - mCuC[seg]
-                    own0 = t0 + blk * ratio
+                    own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
                     rS = cute.make_rmem_tensor((width, vec), Float32)
                     rX = cute.make_rmem_tensor((width, vec), Float32)
-                    load_window(gKV, gS, gA, rS, rX, own0, blk > 0, cv, ratio, coff, n_vec, vec)
+                    load_window(gKV, gS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec)
                     gGO = cute.zipped_divide(mGO, (1, vec))
                     rG = gGO[(0, None), (row, cv)].load().to(Float32)
                     rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
@@ -103,12 +103,17 @@ class WindowBackward(PoolingKernel):
                                 ssum = ssum + pd
                         for k in cutlass.range_constexpr(width):
                             gs = rX[k, v] - mul_rn(rS[k, v], ssum)
-                            rPart[k, v] = rPart[k, v] + gs
+                            # an invalid position's gs is 0 - 0*S: NaN when S is; keep it out
+                            if cutlass.const_expr(coff == 2 and k < ratio):
+                                if has_prev:
+                                    rPart[k, v] = rPart[k, v] + gs
+                            else:
+                                rPart[k, v] = rPart[k, v] + gs
                             rGS[k, v] = gs.to(BFloat16)
                             rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
                     for k in cutlass.range_constexpr(width):
                         if cutlass.const_expr(coff == 2 and k < ratio):
-                            if blk > 0:
+                            if has_prev:
                                 tok = own0 - ratio + k
                                 gGKV[(0, None), (tok, cv)].store(rGKV[k, None].load())
                                 gGS[(0, None), (tok, cv)].store(rGS[k, None].load())

@@ -18,7 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import PoolingKernel, div_exact, find_segment, load_window, mul_rn, softmax_column
+from .common import (PoolingKernel, block_start, div_exact, load_window, mul_rn, row_start,
+                     softmax_column)
 
 
 class WindowForward(PoolingKernel):
@@ -53,19 +54,14 @@ class WindowForward(PoolingKernel):
         row = bx * self.sched.row_lanes + tidx // ct
         n_seg = mCu.shape[0] - 1
         if row < mOut.shape[0] and cv < n_vec:
-            t0 = Int32(0)
-            blk = Int32(0)
-            if row < mCuC[n_seg]:
-                seg = find_segment(mCuC, n_seg, row)
-                t0 = mCu[seg]
-                blk = row - mCuC[seg]
+            t0, blk = row_start(mCu, mCuC, n_seg, row)
             gKV = cute.zipped_divide(mKV, (1, vec))
             gS = cute.zipped_divide(mS, (1, vec))
             gA = cute.zipped_divide(mApe, (1, vec))
             rS = cute.make_rmem_tensor((width, vec), Float32)
             rX = cute.make_rmem_tensor((width, vec), Float32)
-            load_window(gKV, gS, gA, rS, rX, t0 + blk * self.ratio, blk > 0, cv,
-                        self.ratio, self.coff, n_vec, vec)
+            own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
+            load_window(gKV, gS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
             rO = cute.make_rmem_tensor((vec,), Float32)
             for v in cutlass.range_constexpr(vec):
                 den = softmax_column(rS, v, width)
