@@ -16,9 +16,9 @@
 #   allocator a tensor sits inside a larger cached segment, and memcheck can only see accesses
 #   that leave the segment, not the tensor; initcheck would also see "initialised" memory left
 #   over from earlier tensors. Without caching both tools check each tensor's exact bounds.
-# - initcheck --track-unused-memory=no: only reads of never-written memory are errors. Reports of
-#   allocated-but-unused bytes would flag torch's own allocations (and outputs of zero rows),
-#   which say nothing about the kernels. The wrappers hand the kernels uninitialised outputs
+# - initcheck without --track-unused-memory (off by default): only reads of never-written memory
+#   are errors. Reports of allocated-but-unused bytes would flag torch's own allocations (and
+#   outputs of zero rows), which say nothing about the kernels. The wrappers hand the kernels uninitialised outputs
 #   (torch.empty), so a kernel that reads an element before writing it, or leaves one unwritten
 #   that the script later reads back, is still an initcheck error.
 # - racecheck checks shared-memory hazards of every kernel launched, torch's included.
@@ -54,12 +54,15 @@ sanitizer="$(find_sanitizer)" || { echo "sanitize.sh: compute-sanitizer not foun
   || { echo "sanitize.sh: no CUDA device"; exit 77; }
 echo "sanitize.sh: $("$sanitizer" --version | tail -n 1); logs in $logs"
 
-declare -A options=([memcheck]="" [racecheck]="" [initcheck]="")
-# "=no" parses whether the installed version takes the option with a value or as a bare flag;
-# versions without it do not report unused memory at all.
-if "$sanitizer" --help 2>/dev/null | grep -q -- --track-unused-memory; then
-  options[initcheck]="--track-unused-memory=no"
-fi
+# --report-api-errors no: CuTe DSL's GPU-arch detection probes driver entry points with
+# cuGetProcAddress, and each probe of an absent one is reported as an API error (34 of them,
+# H200 2026-11-29) although no kernel misbehaved; only device-side findings count here.
+# initcheck: compute-sanitizer 2025.3's --track-unused-memory is a bare flag that turns the
+# unused-memory report on, and it is off by default, so it is simply not passed.
+declare -A options=([memcheck]="--report-api-errors no" [racecheck]="--report-api-errors no"
+                    [initcheck]="--report-api-errors no")
+# The target architecture is named, so the DSL does not probe the driver for it.
+export CUTE_DSL_ARCH="${CUTE_DSL_ARCH:-sm_90a}"
 status=0
 for tool in memcheck racecheck initcheck; do
   log="$logs/$tool.log"

@@ -101,15 +101,14 @@ class WindowBackward(PoolingKernel):
                                 ssum = pd
                             else:
                                 ssum = ssum + pd
-                        # An invalid position (previous block of a first block) has p = 0 and
-                        # p*dp = 0, so gs = -0*S: NaN when S is NaN/Inf. Its S is taken as 0, which
-                        # gives exact zeros and keeps a special value out of grad_ape.
-                        ssum_prev = ssum
-                        if not has_prev:
-                            ssum_prev = Float32(0.0)
                         for k in cutlass.range_constexpr(width):
-                            s_k = ssum_prev if cutlass.const_expr(coff == 2 and k < ratio) else ssum
-                            gs = rX[k, v] - mul_rn(rS[k, v], s_k)
+                            gs = rX[k, v] - mul_rn(rS[k, v], ssum)
+                            if cutlass.const_expr(coff == 2 and k < ratio):
+                                # An invalid position (previous block of a first block) contributes
+                                # nothing, as in the reference; its computed gs is 0 for finite
+                                # inputs but NaN when den or S is (a NaN/Inf in the window).
+                                if not has_prev:
+                                    gs = Float32(0.0)
                             rPart[k, v] = rPart[k, v] + gs
                             rGS[k, v] = gs.to(BFloat16)
                             rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
