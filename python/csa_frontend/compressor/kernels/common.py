@@ -121,6 +121,36 @@ class PoolingKernel:
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
 
 
+class BackwardKernel(PoolingKernel):
+    """Both backward families launch alike: ``row_groups`` CTAs (one grad_ape slab each, walking
+    ``rows_per_group`` rows per thread or per CTA as the family defines) plus ``zero_ctas``
+    zero-fill CTAs, times the column tiles."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mGO: cute.Tensor,  # (total_comp, d) bf16
+        mGKV: cute.Tensor,  # (T, coff*d) bf16
+        mGS: cute.Tensor,  # (T, coff*d) bf16
+        mSlab: cute.Tensor,  # (row_groups, ratio, coff*d) fp32 partial grad_ape
+        rows_per_group: Int32,
+        row_groups: Int32,
+        zero_ctas: Int32,
+        stream,
+    ):
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+                    rows_per_group, row_groups, zero_ctas).launch(
+            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+        )
+
+
 @cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block."""

@@ -20,36 +20,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, div_exact, find_segment, load_window, mul_rn, softmax_column,
-                     store_partial, store_zeros, zero_tokens)
+from .common import (BackwardKernel, block_start, div_exact, find_segment, load_window, mul_rn,
+                     softmax_column, store_partial, store_zeros, zero_tokens)
 
 
-class WindowBackward(PoolingKernel):
+class WindowBackward(BackwardKernel):
     family = "window"
-
-    @cute.jit
-    def __call__(
-        self,
-        mKV: cute.Tensor,  # (T, coff*d) bf16
-        mS: cute.Tensor,  # (T, coff*d) bf16
-        mApe: cute.Tensor,  # (ratio, coff*d) fp32
-        mCu: cute.Tensor,  # (B+1,) int32
-        mCuC: cute.Tensor,  # (B+1,) int32
-        mGO: cute.Tensor,  # (total_comp, d) bf16
-        mGKV: cute.Tensor,  # (T, coff*d) bf16
-        mGS: cute.Tensor,  # (T, coff*d) bf16
-        mSlab: cute.Tensor,  # (row_groups, ratio, coff*d) fp32 partial grad_ape
-        rows_per_thread: Int32,
-        row_groups: Int32,
-        zero_ctas: Int32,
-        stream,
-    ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-                    rows_per_thread, row_groups, zero_ctas).launch(
-            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
-            block=(self.sched.threads, 1, 1),
-            stream=stream,
-        )
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
