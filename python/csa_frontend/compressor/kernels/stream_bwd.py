@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 
 from .common import (BackwardKernel, block_start, chunk_softmax, div_exact, find_segment, load_chunk,
                      mul_rn, reduce_chunks, store_partial, zero_tokens)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, div_exact, find_segment, load_window, mul_rn,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 
 from .common import (PoolingKernel, block_start, div_exact, load_window, mul_rn, row_start,
                      softmax_column)
