@@ -65,3 +65,27 @@ def test_concurrent_mixed_configurations_build_each_operator_once(csa_log):
     built = Counter(compile_log_descriptions(csa_log.records))
     assert len(built) == 2 * len(THREAD_CONFIGS) and set(built.values()) == {1}, built
     assert len(api._op_cache) == 2 * len(THREAD_CONFIGS)
+
+
+@pytest.mark.L0
+def test_kernel_cache_is_bounded_and_least_recently_used_goes_first(monkeypatch):
+    """The compiled-kernel cache keeps KERNEL_CACHE_SIZE entries; a hit refreshes an entry."""
+    from csa_frontend.compressor.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "KERNEL_CACHE_SIZE", 2)
+    dispatch.clear_cache()
+    builds = Counter()
+
+    def get(name):
+        def build():
+            builds[name] += 1
+            return lambda: name
+        return dispatch._compiled(("fwd", "sm_90a", name), build)
+
+    try:
+        get("a"), get("b"), get("a"), get("c")  # the hit on "a" makes "b" the oldest
+        assert [k[2] for k in dispatch.cache_keys()] == ["a", "c"]
+        get("a"), get("b")
+        assert builds == Counter(a=1, b=2, c=1)
+    finally:
+        dispatch.clear_cache()
