@@ -163,7 +163,7 @@ def bench_shape(shape, bw, providers):
     if "compile" in providers:
         comp_fn = torch.compile(eager, dynamic=False)
         res["fwd_compile_us"] = graph_time_us(lambda st: comp_fn(st["kv"], st["score"], st["ape"]), sets[:1], reps=5)
-    del sets
+    sets.clear()  # drop the tensors before the next shape
     torch.cuda.empty_cache()
     return res
 

@@ -133,28 +133,25 @@ def graph_us_per_call(fn, calls=100, repeats=5):
 
 
 def wrapper_steps(p, ratio, coff, head_dim):
-    """The forward wrapper's steps, in its order, each callable alone (mirrors
-    ``csa_compressor_forward_wrapper``; the cProfile listing is the ground truth)."""
+    """The forward wrapper's fast-path steps, in its order, each callable alone (mirrors
+    ``api._fast_forward``; the cProfile listing is the ground truth)."""
     kv, score, ape, cu, comp, rows, out = (p[k] for k in ("kv", "score", "ape", "cu", "comp", "rows", "out"))
-    cfg = plan.make_config(kv, ratio, coff, None)
-    op = api._cached_op(("forward", kv.device, cfg, False), None)
+    key = ("forward", kv.device, ratio, coff, None)
+    fp = api._fast_plans[key]
     fn, sched = dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim)
     launch_args = (kv, score, ape, cu, comp, out)
     if sched.family == "stream":
         launch_args += (schedule.fwd_rows_per_cta(rows, sched),)
     return [
-        ("plan.check_is_tensor + make_config", lambda: plan.make_config(kv, ratio, coff, None)),
-        ("plan.check_inputs", lambda: plan.check_inputs(kv, score, ape, cu, comp, cfg, kv.device, "kv")),
-        ("plan.check_rows", lambda: plan.check_rows("total_comp", rows, kv.shape[0], cfg)),
-        ("torch.empty (out)", lambda: torch.empty((rows, head_dim), dtype=torch.bfloat16, device=kv.device)),
-        ("plan.validate_requested (env read)", lambda: plan.validate_requested(None)),
-        ("api._cached_op (hit)", lambda: api._cached_op(("forward", kv.device, cfg, False), None)),
-        ("op._run (record check + kernels.forward)",
-         lambda: op._run(kv, score, ape, cu, comp, out, None, "total_comp")),
-        ("  kernels.forward (lookup + launch)",
-         lambda: kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=head_dim)),
-        ("    compiled function call (TVM-FFI launch)", lambda: fn(*launch_args)),
+        ("fast-plan lookup", lambda: api._fast_plans.get(("forward", kv.device, ratio, coff, None))),
+        ("_FastPlan.beyond_entry_checks (incl. env read)", lambda: fp.beyond_entry_checks(kv, cu, comp, rows)),
+        ("  plan.validate_env_on", plan.validate_env_on),
+        ("kv.new_empty (out)", lambda: kv.new_empty((rows, head_dim))),
+        ("prepared launch", lambda: fp.launch(kv, score, ape, cu, comp, out)),
+        ("  compiled function call (TVM-FFI checks + launch)", lambda: fn(*launch_args)),
         ("api.OpResult(out=...)", lambda: api.OpResult(out=out)),
+        ("(checked path, for comparison) plan.check_inputs",
+         lambda: plan.check_inputs(kv, score, ape, cu, comp, fp.op.config, kv.device, "kv")),
     ]
 
 

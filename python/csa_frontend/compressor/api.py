@@ -307,86 +307,97 @@ def clear_op_cache() -> None:
 #
 # Eager training loops call the wrappers thousands of times per step with tensors that look the
 # same every time. After one fully checked call on a CUDA device, later calls with the default
-# stream and no validation are matched against the plan in one expression (~2 us instead of the
-# ~15 us of the named checks); anything that does not match falls through to the full checks,
-# which raise the precise error. Content checks are not skipped: without validation the CUDA
-# path never reads the offsets on the host anyway.
+# stream and no validation go straight to a prepared launch. The compiled TVM-FFI entry point
+# checks every tensor argument itself, in C, before it launches anything: dtype, rank, static
+# extents, equal symbolic extents (score like kv, both offset arrays alike), contiguity,
+# 16-byte alignment, device type and one device for all. Python adds only what that cannot
+# see (the int32 element extent of kv, row counts, int32 rather than uint32 offsets, the
+# environment's validation switch). Anything refused falls through to the named checks, which
+# raise the precise error; the checked path itself is unchanged. Content checks are not skipped:
+# without validation the CUDA path never reads the offsets on the host anyway.
 
-#: (device, ratio, coff, head_dim) -> the compiled operator of that configuration
+#: (direction, device, ratio, coff, head_dim as passed[, deterministic]) -> _FastPlan
 _fast_plans: dict = {}
 _BF16, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 
-def _fast_key(kv, ratio, coff, head_dim):
-    return (kv.device, ratio, coff, head_dim if head_dim is not None else kv.shape[1] // coff)
+class _FastPlan:
+    """A fully checked CUDA operator with its static facts and a prepared kernel launch."""
 
+    __slots__ = ("op", "dev", "cols", "head_dim", "ratio", "ape_shape", "max_rows", "launch")
 
-def _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
-    """The inputs are exactly what ``op`` was planned and compiled for (dtype, rank, static
-    extents, device, contiguity, 16-byte alignment, int32 extent of kv)."""
-    cfg, dev = op.config, op.device
-    cols = cfg.coff * cfg.head_dim
-    return (kv.dtype is _BF16 and score.dtype is _BF16 and ape.dtype is _F32
-            and cu_seqlens.dtype is _I32 and cu_seqlens_comp.dtype is _I32
-            and kv.dim() == 2 and kv.shape[1] == cols and score.shape == kv.shape
-            and ape.shape == (cfg.ratio, cols) and cu_seqlens.dim() == 1
-            and cu_seqlens_comp.shape == cu_seqlens.shape and cu_seqlens.shape[0] >= 1
-            and kv.numel() < plan.INT32_LIMIT
-            and kv.device == dev and score.device == dev and ape.device == dev
-            and cu_seqlens.device == dev and cu_seqlens_comp.device == dev
-            and kv.is_contiguous() and score.is_contiguous() and ape.is_contiguous()
-            and cu_seqlens.is_contiguous() and cu_seqlens_comp.is_contiguous()
-            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15)
+    def __init__(self, op, launch) -> None:
+        cfg = op.config
+        self.op, self.dev, self.launch = op, op.device, launch
+        self.cols, self.head_dim, self.ratio = cfg.coff * cfg.head_dim, cfg.head_dim, cfg.ratio
+        self.ape_shape = (cfg.ratio, self.cols)
+        self.max_rows = (plan.INT32_LIMIT - 1) // cfg.head_dim
 
+    def matches(self, kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
+        """Everything the compiled entry point would check, in Python: for calls that launch
+        nothing (zero output rows), which must refuse bad inputs all the same."""
+        dev = self.dev
+        return (kv.dtype is _BF16 and score.dtype is _BF16 and ape.dtype is _F32
+                and kv.dim() == 2 and kv.shape[1] == self.cols and score.shape == kv.shape
+                and ape.shape == self.ape_shape and cu_seqlens.dim() == 1
+                and cu_seqlens_comp.shape == cu_seqlens.shape
+                and kv.device == dev and score.device == dev and ape.device == dev
+                and cu_seqlens.device == dev and cu_seqlens_comp.device == dev
+                and kv.is_contiguous() and score.is_contiguous() and ape.is_contiguous()
+                and cu_seqlens.is_contiguous() and cu_seqlens_comp.is_contiguous()
+                and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15)
 
-def _fast_rows_ok(rows, kv, cfg) -> bool:
-    return (type(rows) is int and 0 <= rows and rows * cfg.head_dim < plan.INT32_LIMIT
-            and (rows == 0 or kv.shape[0] >= cfg.ratio))
+    def beyond_entry_checks(self, kv, cu_seqlens, cu_seqlens_comp, rows) -> bool:
+        """What the compiled entry point does not check (see the comment above)."""
+        return (type(rows) is int and 0 <= rows <= self.max_rows and kv.numel() < plan.INT32_LIMIT
+                and (rows == 0 or kv.shape[0] >= self.ratio)
+                and cu_seqlens.dtype is _I32 and cu_seqlens_comp.dtype is _I32
+                and cu_seqlens.shape[0] >= 1 and not plan.validate_env_on())
 
 
 def _fast_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, total_comp):
     """``out`` by the fast path, or None to take the checked path."""
     try:
-        op = _fast_plans.get(("forward",) + _fast_key(kv, ratio, coff, head_dim))
-        if (op is None or not _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp)
-                or not _fast_rows_ok(total_comp, kv, op.config) or plan.validate_requested(None)):
+        fp = _fast_plans.get(("forward", kv.device, ratio, coff, head_dim))
+        if fp is None or not fp.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, total_comp):
             return None
-    except Exception:  # anything odd: the checked path names it
+        if total_comp == 0:
+            if not fp.matches(kv, score, ape, cu_seqlens, cu_seqlens_comp):
+                return None
+            return kv.new_empty((0, fp.head_dim))
+        out = kv.new_empty((total_comp, fp.head_dim))
+        fp.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    except Exception:  # refused by the entry point's checks (nothing launched): the checked path names it
         return None
-    cfg = op.config
-    out = torch.empty((total_comp, cfg.head_dim), dtype=_BF16, device=kv.device)
-    if total_comp:
-        _kernels().forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff,
-                           head_dim=cfg.head_dim)
     return out
 
 
 def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, deterministic):
-    """``(grad_kv, grad_score, grad_ape)`` by the fast path, or None to take the checked path."""
+    """``(grad_kv, grad_score, grad_ape)`` by the fast path, or None to take the checked path.
+    The backward always launches (it zero-fills never-consumed slots), so the entry point's
+    checks cover grad_out and the inputs even without rows."""
     try:
-        op = _fast_plans.get(("backward", deterministic) + _fast_key(kv, ratio, coff, head_dim))
-        if (op is None or not _matches_plan(op, kv, score, ape, cu_seqlens, cu_seqlens_comp)
-                or grad_out.dtype is not _BF16 or grad_out.dim() != 2
-                or grad_out.shape[1] != op.config.head_dim or grad_out.device != op.device
-                or not grad_out.is_contiguous() or grad_out.data_ptr() & 15
-                or not _fast_rows_ok(grad_out.shape[0], kv, op.config) or plan.validate_requested(None)):
+        fp = _fast_plans.get(("backward", kv.device, ratio, coff, head_dim, deterministic))
+        if fp is None or not fp.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, grad_out.shape[0]):
             return None
     except Exception:  # anything odd: the checked path names it
         return None
     determinism_guard(deterministic)
-    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
-    cfg = op.config
-    _kernels().backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, ratio=cfg.ratio,
-                        coff=cfg.coff, head_dim=cfg.head_dim, deterministic=deterministic)
+    try:
+        grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+        fp.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads)
+    except Exception:  # refused by the entry point's checks (nothing launched): the checked path names it
+        return None
     return grads
 
 
-def _remember_fast(key, op, stream, validate) -> None:
-    """Offer a fully checked CUDA operator to the fast path."""
+def _remember_fast(key, op, stream, validate, prepare) -> None:
+    """Offer a fully checked CUDA operator to the fast path (``key`` holds the arguments as the
+    caller passed them, so the lookup needs no arithmetic)."""
     if op.device.type == "cuda" and stream is None and not validate:
         if len(_fast_plans) >= OP_CACHE_SIZE:
             _fast_plans.clear()
-        _fast_plans[key] = op
+        _fast_plans[key] = _FastPlan(op, prepare())
 
 
 def _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream):
@@ -420,7 +431,8 @@ def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, 
                                      coff=cfg.coff, head_dim=cfg.head_dim, validate=validate),
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, "total_comp")
-    _remember_fast(("forward", kv.device, cfg.ratio, cfg.coff, cfg.head_dim), op, stream, validate)
+    _remember_fast(("forward", kv.device, ratio, coff, head_dim), op, stream, validate,
+                   lambda: _kernels().prepared_forward(kv.device, cfg.ratio, cfg.coff, cfg.head_dim))
     return OpResult(out=out)
 
 
@@ -451,5 +463,7 @@ def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp,
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
             "grad_out.shape[0]")
-    _remember_fast(("backward", deterministic, kv.device, cfg.ratio, cfg.coff, cfg.head_dim), op, stream, validate)
+    _remember_fast(("backward", kv.device, ratio, coff, head_dim, deterministic), op, stream, validate,
+                   lambda: _kernels().prepared_backward(kv.device, cfg.ratio, cfg.coff, cfg.head_dim,
+                                                        deterministic))
     return OpResult(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

@@ -105,10 +105,30 @@ def _config(ratio: int, coff: int, head_dim: int) -> CompressorConfig:
     return CompressorConfig(ratio, coff, head_dim)
 
 
+def _raw_environ_key():
+    """CPython keeps os.environ's encoded entries in ``_data``; a membership test there costs
+    ~50 ns, ``os.environ.get`` ~600 ns (it encodes the key and decodes the value every call)."""
+    try:
+        data, key = os.environ._data, os.environ.encodekey(VALIDATE_ENV)  # type: ignore[attr-defined]
+    except Exception:
+        return None, None
+    return (data, key) if isinstance(data, dict) else (None, None)
+
+
+_ENV_DATA, _ENV_KEY = _raw_environ_key()
+
+
+def validate_env_on() -> bool:
+    """``CSA_FRONTEND_VALIDATE`` as a flag, read per call (the wrappers' hot path asks first)."""
+    if _ENV_KEY is not None and _ENV_KEY not in _ENV_DATA:
+        return False
+    return os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def validate_requested(validate: Optional[bool]) -> bool:
     """``validate=None`` defers to the ``CSA_FRONTEND_VALIDATE`` environment variable."""
     if validate is None:
-        return os.environ.get(VALIDATE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+        return validate_env_on()
     return check_flag("validate", validate)
 
 

@@ -243,3 +243,49 @@ def test_concurrent_wrapper_calls_compile_once(csa_log):
         assert torch.equal(out, reference_forward(*pack.inputs, 4, 2))
     assert len(api._op_cache) == 1
     assert len([r for r in csa_log.records if r.getMessage().startswith("compiled ")]) == 1
+
+
+@pytest.mark.L0
+def test_fast_plan_checks_what_the_compiled_entry_point_cannot():
+    """The wrappers' fast path (CUDA only) leaves dtype/extent/stride/alignment/device checks to
+    the compiled entry point, except for zero-row calls (``matches``); the rest is checked here."""
+    pack = make_pack([9, 6], 4, 2, 8)
+    out = torch.empty(pack.total_comp, 8, dtype=torch.bfloat16)
+    op = CSACompressorForward(*pack.inputs, out, ratio=4, coff=2)
+    op.check_support()
+    fp = api._FastPlan(op, launch=None)
+    kv, score, ape, cu, comp = pack.inputs
+    assert fp.matches(*pack.inputs)
+    strided = torch.empty(kv.shape[1], kv.shape[0], dtype=kv.dtype).t()
+    misaligned = torch.empty(kv.numel() + 1, dtype=kv.dtype)[1:].view(kv.shape)
+    for bad in [(kv.float(), score, ape, cu, comp), (kv, score.float(), ape, cu, comp),
+                (kv, score, ape.double(), cu, comp), (kv, score, ape, cu, comp[:-1]),
+                (kv[:, :8], score[:, :8], ape, cu, comp), (strided, score, ape, cu, comp),
+                (kv, score[:-1], ape, cu, comp), (kv, score, ape[:3], cu, comp),
+                (kv, score, ape, cu.view(1, -1), comp.view(1, -1)), (misaligned, score, ape, cu, comp)]:
+        assert not fp.matches(*bad)
+    rows = pack.total_comp
+    assert fp.beyond_entry_checks(kv, cu, comp, rows) and fp.beyond_entry_checks(kv, cu, comp, 0)
+    assert fp.beyond_entry_checks(kv, cu, comp, fp.max_rows)
+    for bad_rows in (-1, 3.0, fp.max_rows + 1, True):
+        assert not fp.beyond_entry_checks(kv, cu, comp, bad_rows)
+    assert not fp.beyond_entry_checks(kv, cu.long(), comp, rows)
+    assert not fp.beyond_entry_checks(kv, cu, comp.to(torch.uint32), rows)
+    assert not fp.beyond_entry_checks(kv, cu[:0], comp[:0], rows)
+    assert not fp.beyond_entry_checks(kv[:3], cu, comp, rows)
+    assert fp.beyond_entry_checks(kv[:3], cu, comp, 0)
+
+
+@pytest.mark.L0
+def test_fast_path_respects_the_validation_switch(monkeypatch):
+    pack = make_pack([9, 6], 4, 2, 8)
+    out = torch.empty(pack.total_comp, 8, dtype=torch.bfloat16)
+    op = CSACompressorForward(*pack.inputs, out, ratio=4, coff=2)
+    op.check_support()
+    fp = api._FastPlan(op, launch=None)
+    kv, _, _, cu, comp = pack.inputs
+    for value, on in (("1", True), ("off", False), ("yes", True), ("0", False)):
+        monkeypatch.setenv("CSA_FRONTEND_VALIDATE", value)
+        assert fp.beyond_entry_checks(kv, cu, comp, pack.total_comp) is (not on)
+    monkeypatch.delenv("CSA_FRONTEND_VALIDATE")
+    assert fp.beyond_entry_checks(kv, cu, comp, pack.total_comp)

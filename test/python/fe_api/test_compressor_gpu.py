@@ -145,3 +145,72 @@ def test_atomic_grad_ape_path_under_warn_only_determinism():
     exact = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4)
     assert torch.equal(fast["grad_kv"], exact["grad_kv"]) and torch.equal(fast["grad_score"], exact["grad_score"])
     torch.testing.assert_close(fast["grad_ape"], exact["grad_ape"], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("ratio", [4, 64])
+def test_wrapper_fast_path_gives_the_same_bits_and_falls_back_to_the_named_errors(ratio, monkeypatch):
+    """After one checked call the wrappers skip the named checks; inputs the plan does not cover
+    still get the checked path's precise errors, and validation via the environment still runs."""
+    import csa_frontend.compressor.api as api
+
+    api.clear_op_cache()
+    pack = make_kind("ragged", ratio, 2, 128, seed=5, device="cuda")
+    kw = dict(ratio=ratio, coff=2)
+    out = csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"]
+    grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    _assert_matches_reference(pack, out, list(grads))
+    assert len(api._fast_plans) == 2
+
+    def no_checks(*args, **kwargs):
+        raise AssertionError("the fast path ran the named checks")
+
+    with monkeypatch.context() as m:
+        m.setattr(api, "_checked_inputs", no_checks)
+        for _ in range(3):
+            again = csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"]
+            assert torch.equal(again, out)
+            for got, want in zip(csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw), grads):
+                assert torch.equal(got, want)
+
+    kv, score, ape, cu, comp = pack.inputs
+    strided_kv = torch.empty(kv.shape[1], kv.shape[0], dtype=kv.dtype, device="cuda").t()
+    strided_kv.copy_(kv)
+    misaligned_kv = torch.empty(kv.numel() + 1, dtype=kv.dtype, device="cuda")[1:].view(kv.shape)
+    misaligned_kv.copy_(kv)
+    # each refused by the compiled entry point (or the fast path's own checks) before any launch
+    wrong = [((kv, score.float(), ape, cu, comp), "score"),
+             ((strided_kv, score, ape, cu, comp), "kv"),
+             ((misaligned_kv, score, ape, cu, comp), "kv"),
+             ((kv, score[:-1], ape, cu, comp), "score"),
+             ((kv, score, ape[:-1], cu, comp), "ape"),
+             ((kv, score, ape.double(), cu, comp), "ape"),
+             ((kv, score, ape, cu.long(), comp), "cu_seqlens"),
+             ((kv, score, ape, cu.to(torch.uint32), comp), "cu_seqlens"),
+             ((kv, score, ape, cu.cpu(), comp), "cu_seqlens"),
+             ((kv, score, ape, cu, comp[:-1]), "cu_seqlens_comp")]
+    for inputs, name in wrong:
+        with pytest.raises(ValueError, match=name):
+            csa_compressor_forward_wrapper(*inputs, total_comp=pack.total_comp, **kw)
+        with pytest.raises(ValueError, match=name):
+            csa_compressor_forward_wrapper(*inputs, total_comp=0, **kw)
+        with pytest.raises(ValueError, match=name):
+            csa_compressor_backward_wrapper(*inputs, pack.grad_out, **kw)
+    grad_strided = torch.empty(pack.grad_out.shape[1], pack.grad_out.shape[0], dtype=torch.bfloat16,
+                               device="cuda").t()
+    with pytest.raises(ValueError, match="grad_out"):
+        csa_compressor_backward_wrapper(*pack.inputs, grad_strided, **kw)
+    with pytest.raises(ValueError, match="grad_out"):
+        csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out.float(), **kw)
+    with pytest.raises(ValueError, match="total_comp"):
+        csa_compressor_forward_wrapper(*pack.inputs, total_comp=-1, **kw)
+    with pytest.raises(ValueError, match="grad_out"):
+        csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out[:, :64].contiguous(), **kw)
+
+    bad_comp = comp.clone()
+    bad_comp[1] += 1
+    monkeypatch.setenv("CSA_FRONTEND_VALIDATE", "1")
+    with pytest.raises(ValueError, match="cu_seqlens_comp"):
+        csa_compressor_forward_wrapper(kv, score, ape, cu, bad_comp, total_comp=pack.total_comp, **kw)
+    monkeypatch.delenv("CSA_FRONTEND_VALIDATE")
+    assert torch.equal(csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"], out)

@@ -16,6 +16,8 @@ Contract used by the API layer:
   grad_ape, ratio=, coff=, head_dim=, deterministic=True, stream=None)``: writes every element
   of ``grad_kv``/``grad_score`` (never-consumed slots get exact zeros) and overwrites
   ``grad_ape``.
+- ``prepared_forward(device, ratio, coff, head_dim)`` / ``prepared_backward(..., deterministic)``:
+  launch callables with the lookups done once, for the wrappers' fast path (same launches).
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from .dispatch import (
     compile_backward,
     compile_forward,
     forward,
+    prepared_backward,
+    prepared_forward,
     unsupported_reason,
 )
 
-__all__ = ["unsupported_reason", "compile_forward", "compile_backward", "forward", "backward"]
+__all__ = ["unsupported_reason", "compile_forward", "compile_backward", "forward", "backward",
+           "prepared_forward", "prepared_backward"]

@@ -213,8 +213,13 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
     return fns
 
 
+#: The current CUDA device index without torch.cuda.current_device()'s lazy-init check (the
+#: prepared launchers only exist after a kernel ran, so CUDA is initialised).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _needs_guard(device: torch.device, stream) -> bool:
-    return stream is not None or device.index != torch.cuda.current_device()
+    return stream is not None or device.index != _current_device()
 
 
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
@@ -261,3 +266,48 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
             _launch_backward(*args)
     else:
         _launch_backward(*args)
+
+
+# -- prepared launchers: the wrappers' fast path -------------------------------------------------
+#
+# The same launches as forward()/backward() with the per-call lookups done once: the compiled
+# kernels, the schedule and the device are bound when the launcher is made. Each launch still
+# checks that its device is current (else it takes the guarded route), so a launcher is correct
+# whatever the caller's current device.
+
+def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
+    """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
+    fn, sched = _kernels_for("fwd", device, ratio, coff, head_dim)
+    index, stream_family = device.index, sched.family == "stream"
+
+    def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+        rows = out.shape[0]
+        if rows == 0:
+            return
+        if _current_device() != index:
+            return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
+                           head_dim=head_dim)
+        if stream_family:
+            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fwd_rows_per_cta(rows, sched))
+        else:
+            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    return launch
+
+
+def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int,
+                      deterministic: bool = True) -> Callable:
+    """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+    grad_ape)`` on the current stream."""
+    main, reduce, sched = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
+                                       head_dim)
+    index = device.index
+
+    def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape):
+        args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+                grad_score, grad_ape, ratio, coff, head_dim)
+        if _current_device() != index:
+            with _on_stream(kv.device, None):
+                _launch_backward(*args)
+        else:
+            _launch_backward(*args)
+    return launch
