@@ -91,6 +91,7 @@ class _CompressorOp(APIBase):
         self.config: Optional[plan.CompressorConfig] = None
         self.device: Optional[torch.device] = None
         self.arch: Optional[str] = None
+        self._fast: Optional[_FastPlan] = None  # set by compile() for CUDA plans without validation
 
     # -- support ---------------------------------------------------------------------------
     def _resolve_device(self, sample_device: torch.device) -> torch.device:
@@ -148,6 +149,10 @@ class _CompressorOp(APIBase):
         compile_fn = getattr(_kernels(), f"compile_{self._direction}")
         compile_fn(ratio=cfg.ratio, coff=cfg.coff, head_dim=cfg.head_dim, arch=self.arch,
                    **self._compile_kwargs())
+        if not self._validate:
+            prepare = getattr(_kernels(), f"prepared_{self._direction}")
+            self._fast = _FastPlan(self, prepare(self.device, cfg.ratio, cfg.coff, cfg.head_dim,
+                                                 **self._compile_kwargs()))
 
     def _compile_kwargs(self) -> dict:
         """Static choices beyond the configuration that select a compiled variant."""
@@ -188,6 +193,15 @@ class CSACompressorForward(_CompressorOp):
     def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, current_stream=None) -> None:
         """Write ``out``; checks every tensor against the plan first (outputs untouched on error)."""
         self._require_compiled()
+        fast = self._fast
+        if fast is not None and current_stream is None:
+            try:  # the compiled entry point checks the tensors (see the wrappers' fast path)
+                if (kv.device == fast.dev and out.shape[0] > 0
+                        and fast.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, out.shape[0])):
+                    fast.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+                    return
+            except Exception:  # refused before launching: the named checks below say why
+                pass
         plan.check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config, self.device,
                            _PLANNED_DEVICE)
         _check_stream(current_stream, self.device)
@@ -239,11 +253,31 @@ class CSACompressorBackward(_CompressorOp):
                 current_stream=None) -> None:
         """Write the three gradients; checks every tensor against the plan first."""
         self._require_compiled()
+        fast = self._fast
+        if fast is not None and current_stream is None and self._fast_backward_ok(
+                kv, cu_seqlens, cu_seqlens_comp, grad_out, grad_ape):
+            determinism_guard(self.deterministic)
+            try:  # the compiled entry points check the other tensors (see the wrappers' fast path)
+                fast.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+                return
+            except Exception:  # refused before launching: the named checks below say why
+                pass
         plan.check_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
                             grad_ape, self.config, self.device, _PLANNED_DEVICE)
         _check_stream(current_stream, self.device)
         self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
                   current_stream, "grad_out.shape[0]")
+
+    def _fast_backward_ok(self, kv, cu_seqlens, cu_seqlens_comp, grad_out, grad_ape) -> bool:
+        """grad_ape only reaches the kernels as a flat view, so its shape is checked here."""
+        fast = self._fast
+        try:
+            return (kv.device == fast.dev and grad_out.shape[0] > 0 and grad_ape.dtype is _F32
+                    and grad_ape.shape == fast.ape_shape and grad_ape.is_contiguous()
+                    and grad_ape.device == fast.dev
+                    and fast.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, grad_out.shape[0]))
+        except Exception:
+            return False
 
     def _run(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
              stream, rows_name: str) -> None:
@@ -391,13 +425,13 @@ def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio,
     return grads
 
 
-def _remember_fast(key, op, stream, validate, prepare) -> None:
-    """Offer a fully checked CUDA operator to the fast path (``key`` holds the arguments as the
-    caller passed them, so the lookup needs no arithmetic)."""
-    if op.device.type == "cuda" and stream is None and not validate:
+def _remember_fast(key, op, stream) -> None:
+    """Offer a fully checked, compiled CUDA operator to the fast path (``key`` holds the
+    arguments as the caller passed them, so the lookup needs no arithmetic)."""
+    if op._fast is not None and stream is None:
         if len(_fast_plans) >= OP_CACHE_SIZE:
             _fast_plans.clear()
-        _fast_plans[key] = _FastPlan(op, prepare())
+        _fast_plans[key] = op._fast
 
 
 def _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream):
@@ -431,8 +465,7 @@ def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, 
                                      coff=cfg.coff, head_dim=cfg.head_dim, validate=validate),
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, "total_comp")
-    _remember_fast(("forward", kv.device, ratio, coff, head_dim), op, stream, validate,
-                   lambda: _kernels().prepared_forward(kv.device, cfg.ratio, cfg.coff, cfg.head_dim))
+    _remember_fast(("forward", kv.device, ratio, coff, head_dim), op, stream)
     return OpResult(out=out)
 
 
@@ -463,7 +496,5 @@ def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp,
     )
     op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
             "grad_out.shape[0]")
-    _remember_fast(("backward", kv.device, ratio, coff, head_dim, deterministic), op, stream, validate,
-                   lambda: _kernels().prepared_backward(kv.device, cfg.ratio, cfg.coff, cfg.head_dim,
-                                                        deterministic))
+    _remember_fast(("backward", kv.device, ratio, coff, head_dim, deterministic), op, stream)
     return OpResult(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

@@ -161,6 +161,11 @@ def test_wrapper_fast_path_gives_the_same_bits_and_falls_back_to_the_named_error
     grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
     _assert_matches_reference(pack, out, list(grads))
     assert len(api._fast_plans) == 2
+    import tvm_ffi
+    from csa_frontend.compressor.kernels import dispatch
+    for direction in ("fwd", "bwd"):  # launches skip the DSL's keyword wrapper
+        fns = dispatch._kernels_for(direction, pack.kv.device, ratio, 2, 128)
+        assert all(isinstance(f, tvm_ffi.Function) for f in fns[:-1] if f is not None)
 
     def no_checks(*args, **kwargs):
         raise AssertionError("the fast path ran the named checks")
@@ -214,3 +219,43 @@ def test_wrapper_fast_path_gives_the_same_bits_and_falls_back_to_the_named_error
         csa_compressor_forward_wrapper(kv, score, ape, cu, bad_comp, total_comp=pack.total_comp, **kw)
     monkeypatch.delenv("CSA_FRONTEND_VALIDATE")
     assert torch.equal(csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"], out)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("ratio", [4, 64])
+def test_class_execute_refuses_what_its_plan_does_not_cover_and_leaves_outputs_untouched(ratio):
+    """``execute`` launches straight away when the compiled entry point accepts the tensors;
+    whatever it refuses gets the named check's error, with every output as it was."""
+    pack = make_kind("ragged", ratio, 2, 128, seed=9, device="cuda")
+    kv, score, ape, cu, comp = pack.inputs
+    out = torch.full((pack.total_comp, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fwd = CSACompressorForward(*pack.inputs, out, ratio=ratio, coff=2)
+    fwd.compile()
+    grads = [torch.full_like(t, float("nan")) for t in (kv, score, ape)]
+    bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, ratio=ratio, coff=2)
+    bwd.compile()
+    fwd.execute(*pack.inputs, out)
+    bwd.execute(*pack.inputs, pack.grad_out, *grads)
+    _assert_matches_reference(pack, out, grads)
+    kept = [t.clone() for t in [out] + grads]
+
+    def assert_untouched():
+        for now, before in zip([out] + grads, kept):
+            assert torch.equal(now, before)
+
+    strided_out = torch.empty(128, pack.total_comp, dtype=torch.bfloat16, device="cuda").t()
+    for args, name in [((kv, score.float(), ape, cu, comp, out), "score"),
+                       ((kv, score, ape, cu, comp[:-1], out), "cu_seqlens_comp"),
+                       ((kv, score, ape, cu, comp, out[:, :64]), "out"),
+                       ((kv, score, ape, cu, comp, strided_out), "out"),
+                       ((kv, score, ape, cu, comp, out.float()), "out")]:
+        with pytest.raises(ValueError, match=name):
+            fwd.execute(*args)
+    transposed_ape = torch.empty(ape.shape[1], ape.shape[0], device="cuda")
+    for args, name in [((kv, score, ape, cu, comp, pack.grad_out, grads[0], grads[1], transposed_ape), "grad_ape"),
+                       ((kv, score, ape, cu, comp, pack.grad_out, grads[0], grads[1][:-1], grads[2]), "grad_score"),
+                       ((kv, score, ape, cu, comp, pack.grad_out, grads[0].float(), grads[1], grads[2]), "grad_kv"),
+                       ((kv, score, ape, cu, comp, pack.grad_out[:, :64], *grads), "grad_out")]:
+        with pytest.raises(ValueError, match=name):
+            bwd.execute(*args)
+    assert_untouched()

@@ -58,3 +58,20 @@ def test_cache_is_keyed_on_static_configuration():
     assert {k[0] for k in added} == {"fwd", "bwd", "bwd_atomic"} and len(added) == 3
     compile_all(5, 1, 40, "sm_90a")  # same configuration: nothing new
     assert set(dispatch.cache_keys()) - before == added
+
+
+@pytest.mark.L0
+def test_direct_entry_only_replaces_a_plain_positional_function():
+    """The launch path calls the positional TVM-FFI function under a compiled kernel's keyword
+    wrapper, and keeps the wrapper whenever that function is absent (no CUDA driver) or the
+    wrapper converts arguments (raw pointer slots). The GPU suite checks the real kernels."""
+    from types import SimpleNamespace
+
+    def compiled(inner, pointer_slots=False):
+        return SimpleNamespace(__tvm_ffi_object__=lambda: inner,
+                               execution_args=SimpleNamespace(has_pointer_address_arg_specs=pointer_slots))
+
+    inner = lambda *args: args  # noqa: E731
+    assert dispatch._direct_entry(compiled(inner)) is inner
+    for kept in (compiled(None), compiled(inner, pointer_slots=True), SimpleNamespace(), inner):
+        assert dispatch._direct_entry(kept) is kept

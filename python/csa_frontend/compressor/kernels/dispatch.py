@@ -80,7 +80,7 @@ def _compiled(key: Tuple, build: Callable[[], Callable]) -> Callable:
         _cache[key] = fn
         while len(_cache) > KERNEL_CACHE_SIZE:
             _, evicted = _cache.popitem(last=False)
-            for k in [k for k, v in _by_device.items() if v is evicted]:
+            for k in [k for k, v in _by_device.items() if v[0] is evicted]:
                 del _by_device[k]
     return fn
 
@@ -194,23 +194,43 @@ class _on_stream:
             c.__exit__(*exc)
 
 
-#: (direction, device index, ratio, coff, head_dim) -> compiled kernels; skips the arch query
+#: (direction, device index, ratio, coff, head_dim) -> (compiled kernels, their direct entry
+#: points); skips the arch query
 #: and key building on the hot path (host time per call is what eager training loops feel).
 _by_device: Dict[Tuple, object] = {}
 
 
+def _direct_entry(fn):
+    """The positional TVM-FFI function under a compiled kernel's keyword-argument wrapper.
+
+    Every call here passes all arguments positionally, so the wrapper's Python layer (~1-2 us
+    per call) adds nothing; the entry point's own argument checks stay. Falls back to the
+    wrapper whenever the DSL's object does not offer that function plainly."""
+    raw = getattr(fn, "__tvm_ffi_object__", None)
+    execution_args = getattr(fn, "execution_args", None)
+    if raw is None or execution_args is None or getattr(execution_args, "has_pointer_address_arg_specs", True):
+        return fn
+    try:
+        direct = raw()
+    except Exception:
+        return fn
+    return direct if callable(direct) else fn
+
+
 def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, head_dim: int):
+    """The compiled kernels of one configuration (their direct entry points) and its schedule."""
     key = (direction, device.index, ratio, coff, head_dim)
-    fns = _by_device.get(key)
-    if fns is None:
+    entry = _by_device.get(key)
+    if entry is None:
         arch = arch_of(device)
         if direction == "fwd":
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
         else:
             fns = compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
                                    deterministic=direction == "bwd")
-        _by_device[key] = fns
-    return fns
+        direct = tuple(_direct_entry(f) if f is not None and not isinstance(f, Schedule) else f for f in fns)
+        entry = _by_device[key] = (fns, direct)
+    return entry[1]
 
 
 #: The current CUDA device index without torch.cuda.current_device()'s lazy-init check (the
