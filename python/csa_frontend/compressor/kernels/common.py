@@ -88,22 +88,50 @@ def block_start(t0: Int32, blk: Int32, ratio: cutlass.Constexpr, n_tok: Int32):
 
 
 @cute.jit
-def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
-    """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]`` (binary search).
+def find_segment(mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp: cutlass.Constexpr = False) -> Int32:
+    """Segment ``s`` with ``cu_seqlens_comp[s] <= row < cu_seqlens_comp[s+1]``: a binary search,
+    or with ``warp`` (the whole warp shares ``row`` and calls together) ``find_segment_warp``.
 
     O(log B) dependent loads of a tiny, L1-resident array, so packs of thousands of short
     segments cost the same per row as one long segment. Empty segments are skipped because
-    the search keeps the last start that is <= row. Caller guarantees
-    ``row < cu_seqlens_comp[n_seg]``.
+    the search keeps the last start that is <= row. Rows at or past ``cu_seqlens_comp[n_seg]``
+    (padding) get some segment in range, which callers ignore.
     """
+    lo = Int32(0)
+    if cutlass.const_expr(warp):
+        lo = find_segment_warp(mCuC, n_seg, row)
+    else:
+        hi = n_seg
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if mCuC[mid] <= row:
+                lo = mid
+            else:
+                hi = mid
+    return lo
+
+
+@cute.jit
+def find_segment_warp(mCuC: cute.Tensor, n_seg: Int32, row: Int32) -> Int32:
+    """``find_segment`` for a row the whole warp shares, all 32 lanes converged.
+
+    Each round the 32 lanes probe 32 evenly spaced starts of the remaining range at once and a
+    ballot keeps the last probe that is ``<= row``: ceil(log32 B) rounds of one load each
+    (2 for 1024 segments) instead of log2 B dependent loads, and the same answer (the last
+    start ``<= row``). Offsets out of order (unvalidated corrupt input) still end the loop,
+    as the range shrinks 32-fold per round."""
+    lane = cute.arch.lane_idx()
     lo = Int32(0)
     hi = n_seg
     while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if mCuC[mid] <= row:
-            lo = mid
-        else:
-            hi = mid
+        step = (hi - lo + 31) >> 5
+        probe = lo + lane * step
+        ok = probe < hi
+        if ok:
+            ok = mCuC[probe] <= row
+        below = cute.arch.popc(cute.arch.vote_ballot_sync(ok))
+        lo = lo + cutlass.max(below - 1, 0) * step
+        hi = cutlass.min(lo + step, hi)
     return lo
 
 
@@ -119,6 +147,9 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
+        # every warp is whole and works on one row at a time (the stream family: the whole CTA;
+        # the window family: when whole warps fit across the columns), so row lookups may vote
+        self.warp_rows = sched.threads % 32 == 0 and (sched.family == "stream" or sched.col_threads % 32 == 0)
 
 
 class BackwardKernel(PoolingKernel):
@@ -152,21 +183,55 @@ class BackwardKernel(PoolingKernel):
 
 
 @cute.jit
-def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
-    """(first token, block index) of ``row``; padding rows pool segment 0's first block."""
+def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
+              warp_rows: cutlass.Constexpr = False):
+    """(first token, block index) of ``row``; padding rows pool segment 0's first block.
+    ``warp_rows``: every lane of the warp has this ``row`` and calls together (then the
+    search is ``find_segment_warp``)."""
     t0 = Int32(0)
     blk = Int32(0)
     if row < mCuC[n_seg]:
-        seg = find_segment(mCuC, n_seg, row)
+        seg = find_segment(mCuC, n_seg, row, warp_rows)
         t0 = mCu[seg]
         blk = row - mCuC[seg]
     return t0, blk
 
 
 @cute.jit
+def widen_bf16(x: cute.TensorSSA, vec: cutlass.Constexpr) -> cute.TensorSSA:
+    """A ``vec``-wide bf16 vector as fp32 (exact: bf16 is the top half of an fp32).
+
+    Even widths go through 32-bit words: low element ``w << 16``, high element
+    ``w & 0xffff0000``, one integer instruction each, where the generic conversion spends a
+    byte permute and a shift on every high element."""
+    if cutlass.const_expr(vec % 2 == 0):
+        words = x.bitcast(Int32)
+        lo = (words * Int32(65536)).bitcast(Float32)
+        hi = (words & Int32(-65536)).bitcast(Float32)
+        r = cute.make_rmem_tensor((vec,), Float32)
+        for i in cutlass.range_constexpr(vec // 2):
+            r[2 * i] = lo[i]
+            r[2 * i + 1] = hi[i]
+        return r.load()
+    else:
+        return x.to(Float32)
+
+
+@cute.jit
+def window_view(mT: cute.Tensor, own0: Int32, ratio: cutlass.Constexpr, coff: cutlass.Constexpr,
+                vec: cutlass.Constexpr) -> cute.Tensor:
+    """``mT`` re-based at the window's first token row (``own0 - ratio`` for coff 2) and
+    divided into ``(1, vec)`` tiles: one 64-bit base address per row, after which every window
+    position is a compile-time offset folded into the load instruction (indexing ``mT`` per
+    position cost ~6 integer instructions per load in SASS)."""
+    first = own0 - ratio if cutlass.const_expr(coff == 2) else own0
+    return cute.zipped_divide(cute.domain_offset((first, 0), mT), (1, vec))
+
+
+@cute.jit
 def load_window(
-    gKV: cute.Tensor,
-    gS: cute.Tensor,
+    mKV: cute.Tensor,
+    mS: cute.Tensor,
     gA: cute.Tensor,
     rS: cute.Tensor,
     rX: cute.Tensor,
@@ -183,14 +248,17 @@ def load_window(
     The same gather as ``load_chunk`` over positions ``[0, coff*ratio)``, written with every
     position known at compile time: routing the window family through ``load_chunk`` cost ~30
     extra integer instructions per thread (measured in PTX), 6-10% of the nearly compute-bound
-    forward on the H200.
+    forward on the H200. ``mKV``/``mS`` are the whole (T, coff*d) inputs (see ``window_view``).
     """
+    wKV = window_view(mKV, own0, ratio, coff, vec)
+    wS = window_view(mS, own0, ratio, coff, vec)
     for k in cutlass.range_constexpr(coff * ratio):
+        # window row k: token own0 - ratio + k (coff 2) or own0 + k (coff 1)
         if cutlass.const_expr(coff == 2 and k < ratio):
             # previous block, first-half columns, ape row k
             if has_prev:
-                kvv = gKV[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
-                scv = gS[(0, None), (own0 - ratio + k, cv)].load().to(Float32)
+                kvv = widen_bf16(wKV[(0, None), (k, cv)].load(), vec)
+                scv = widen_bf16(wS[(0, None), (k, cv)].load(), vec)
                 apv = gA[(0, None), (k, cv)].load()
                 for v in cutlass.range_constexpr(vec):
                     rS[k, v] = scv[v] + apv[v]
@@ -202,8 +270,8 @@ def load_window(
         else:
             i = k - ratio if cutlass.const_expr(coff == 2) else k
             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-            kvv = gKV[(0, None), (own0 + i, colt)].load().to(Float32)
-            scv = gS[(0, None), (own0 + i, colt)].load().to(Float32)
+            kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
+            scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
             apv = gA[(0, None), (i, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[k, v] = scv[v] + apv[v]
@@ -280,8 +348,8 @@ def load_chunk(
                 colt = cv + n_vec
                 arow = k - ratio
         if ok:
-            kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
-            scv = gS[(0, None), (tok, colt)].load().to(Float32)
+            kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
+            scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
             apv = gA[(0, None), (arow, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[i, v] = scv[v] + apv[v]

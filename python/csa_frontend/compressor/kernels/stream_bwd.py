@@ -51,7 +51,7 @@ class StreamBackward(BackwardKernel):
             for it in cutlass.range(rows_per_cta, unroll=1):
                 row = bx * rows_per_cta + it
                 if row < n_real:
-                    seg = find_segment(mCuC, n_seg, row)
+                    seg = find_segment(mCuC, n_seg, row, self.warp_rows)
                     t0 = mCu[seg]
                     blk = row - mCuC[seg]
                     own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])

@@ -71,7 +71,7 @@ class StreamForward(PoolingKernel):
         for it in cutlass.range(rows_per_cta, unroll=1):
             row = bx * rows_per_cta + it
             if row < mOut.shape[0]:
-                t0, blk = row_start(mCu, mCuC, n_seg, row)
+                t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
                 rS = cute.make_rmem_tensor((chunk, vec), Float32)
                 rX = cute.make_rmem_tensor((chunk, vec), Float32)
                 rS.fill(-Float32.inf)

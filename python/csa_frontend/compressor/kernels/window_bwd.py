@@ -21,7 +21,7 @@ from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, div_exact, find_segment, load_window, mul_rn,
-                     softmax_column, store_partial, store_zeros, zero_tokens)
+                     softmax_column, store_partial, store_zeros, window_view, zero_tokens)
 
 
 class WindowBackward(BackwardKernel):
@@ -39,8 +39,6 @@ class WindowBackward(BackwardKernel):
         cv = by * ct + cvl
         col_ok = cv < n_vec
         n_seg = mCu.shape[0] - 1
-        gKV = cute.zipped_divide(mKV, (1, vec))
-        gS = cute.zipped_divide(mS, (1, vec))
         gA = cute.zipped_divide(mApe, (1, vec))
         gGKV = cute.zipped_divide(mGKV, (1, vec))
         gGS = cute.zipped_divide(mGS, (1, vec))
@@ -50,14 +48,15 @@ class WindowBackward(BackwardKernel):
             n_real = mCuC[n_seg]
             for it in cutlass.range(rows_per_thread, unroll=1):
                 row = (bx * rows_per_thread + it) * lanes + lane
+                # before the branch: with warp_rows the whole warp votes (padding rows included)
+                seg = find_segment(mCuC, n_seg, row, self.warp_rows)
                 if row < n_real and col_ok:
-                    seg = find_segment(mCuC, n_seg, row)
                     t0 = mCu[seg]
                     blk = row - mCuC[seg]
                     own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
                     rS = cute.make_rmem_tensor((width, vec), Float32)
                     rX = cute.make_rmem_tensor((width, vec), Float32)
-                    load_window(gKV, gS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec)
+                    load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec)
                     gGO = cute.zipped_divide(mGO, (1, vec))
                     rG = gGO[(0, None), (row, cv)].load().to(Float32)
                     rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
@@ -88,24 +87,24 @@ class WindowBackward(BackwardKernel):
                             rPart[k, v] = rPart[k, v] + gs
                             rGS[k, v] = gs.to(BFloat16)
                             rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
-                    for k in cutlass.range_constexpr(width):
+                    wGKV = window_view(mGKV, own0, ratio, coff, vec)
+                    wGS = window_view(mGS, own0, ratio, coff, vec)
+                    for k in cutlass.range_constexpr(width):  # window row k, as in load_window
                         if cutlass.const_expr(coff == 2 and k < ratio):
                             if has_prev:
-                                tok = own0 - ratio + k
-                                gGKV[(0, None), (tok, cv)].store(rGKV[k, None].load())
-                                gGS[(0, None), (tok, cv)].store(rGS[k, None].load())
+                                wGKV[(0, None), (k, cv)].store(rGKV[k, None].load())
+                                wGS[(0, None), (k, cv)].store(rGS[k, None].load())
                         else:
-                            i = k - ratio if cutlass.const_expr(coff == 2) else k
                             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-                            gGKV[(0, None), (own0 + i, colt)].store(rGKV[k, None].load())
-                            gGS[(0, None), (own0 + i, colt)].store(rGS[k, None].load())
+                            wGKV[(0, None), (k, colt)].store(rGKV[k, None].load())
+                            wGS[(0, None), (k, colt)].store(rGS[k, None].load())
                     n_blk = mCuC[seg + 1] - mCuC[seg]
                     if blk == n_blk - 1:
                         # last block: nobody consumes its first-half columns, nor the tail
                         if cutlass.const_expr(coff == 2):
                             for i in cutlass.range_constexpr(ratio):
-                                store_zeros(gGKV, own0 + i, cv, vec, BFloat16)
-                                store_zeros(gGS, own0 + i, cv, vec, BFloat16)
+                                store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
+                                store_zeros(wGS, ratio + i, cv, vec, BFloat16)
                         zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], 1, cv, coff, n_vec, vec)
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:

@@ -53,26 +53,25 @@ class WindowForward(PoolingKernel):
         cv = by * ct + tidx % ct
         row = bx * self.sched.row_lanes + tidx // ct
         n_seg = mCu.shape[0] - 1
-        if row < mOut.shape[0] and cv < n_vec:
-            t0, blk = row_start(mCu, mCuC, n_seg, row)
-            gKV = cute.zipped_divide(mKV, (1, vec))
-            gS = cute.zipped_divide(mS, (1, vec))
-            gA = cute.zipped_divide(mApe, (1, vec))
-            rS = cute.make_rmem_tensor((width, vec), Float32)
-            rX = cute.make_rmem_tensor((width, vec), Float32)
-            own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
-            load_window(gKV, gS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
-            rO = cute.make_rmem_tensor((vec,), Float32)
-            for v in cutlass.range_constexpr(vec):
-                den = softmax_column(rS, v, width)
-                rcp = Float32(1.0) / den
-                acc = Float32(0.0)
-                for k in cutlass.range_constexpr(width):
-                    term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
-                    if cutlass.const_expr(k == 0):
-                        acc = term
-                    else:
-                        acc = acc + term
-                rO[v] = acc
-            gO = cute.zipped_divide(mOut, (1, vec))
-            gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+        if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
+            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
+            if cv < n_vec:
+                gA = cute.zipped_divide(mApe, (1, vec))
+                rS = cute.make_rmem_tensor((width, vec), Float32)
+                rX = cute.make_rmem_tensor((width, vec), Float32)
+                own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
+                load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
+                rO = cute.make_rmem_tensor((vec,), Float32)
+                for v in cutlass.range_constexpr(vec):
+                    den = softmax_column(rS, v, width)
+                    rcp = Float32(1.0) / den
+                    acc = Float32(0.0)
+                    for k in cutlass.range_constexpr(width):
+                        term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
+                        if cutlass.const_expr(k == 0):
+                            acc = term
+                        else:
+                            acc = acc + term
+                    rO[v] = acc
+                gO = cute.zipped_divide(mOut, (1, vec))
+                gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
