@@ -147,9 +147,11 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
-        # every warp is whole and works on one row at a time (the stream family: the whole CTA;
-        # the window family: when whole warps fit across the columns), so row lookups may vote
-        self.warp_rows = sched.threads % 32 == 0 and (sched.family == "stream" or sched.col_threads % 32 == 0)
+        # window family: when whole warps fit across the columns, every warp works on one row at
+        # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
+        # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per
+        # SM instead of 4: 38 -> 48 us on the H200), for a lookup it makes once per CTA row.
+        self.warp_rows = sched.family == "window" and sched.col_threads % 32 == 0
 
 
 class BackwardKernel(PoolingKernel):
@@ -348,8 +350,8 @@ def load_chunk(
                 colt = cv + n_vec
                 arow = k - ratio
         if ok:
-            kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
-            scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
+            kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
+            scv = gS[(0, None), (tok, colt)].load().to(Float32)
             apv = gA[(0, None), (arow, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[i, v] = scv[v] + apv[v]
