@@ -1,9 +1,11 @@
 """Host overhead per call of every csa_frontend entry point, without CUDA graphs, next to a plain
 torch op measured in the same run.
 
-Method: per entry point, warm-up calls (compiles), then ``--repeats`` times: synchronize,
+Method: warm-up calls of every entry point (compiles), then ``--repeats`` rounds that time
+each entry point in turn (round-robin, so host slowdowns hit all alike): synchronize,
 ``time.perf_counter`` around ``--calls`` back-to-back calls and a final synchronize; the
-median of the repeats divided by the call count is the wall clock per call. ``enqueue`` is the
+median of the repeats divided by the call count is the wall clock per call (the best repeat
+is reported too). ``enqueue`` is the
 same loop without the final synchronize: pure host time while the launch queue is not full.
 The forward kernel's own device time (CUDA-graph replay) is printed too: wall time per call
 above it is host overhead the GPU cannot hide. Entry points that must not synchronise are
@@ -78,23 +80,32 @@ def entry_points(p, ratio, coff, head_dim):
     ]
 
 
-def wall_per_call_us(fn, calls, repeats):
-    """(median wall us per call with the final synchronize, median enqueue us per call)."""
-    for _ in range(20):
-        fn()
+def time_once(fn, calls):
+    """(wall us per call with the final synchronize, enqueue us per call) of one repeat."""
     torch.cuda.synchronize()
-    wall, enqueue = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (done - start) / calls * 1e6, (queued - start) / calls * 1e6
+
+
+def wall_per_call_us(fns, calls, repeats):
+    """Per callable: (median wall us per call, median enqueue us per call, best wall us).
+
+    Repeats go round-robin over all callables, so a slow spell of the (virtualised) host
+    lands on every entry point alike instead of on whichever ran at that moment."""
+    for fn in fns:
+        for _ in range(20):
             fn()
-        queued = time.perf_counter()
-        torch.cuda.synchronize()
-        done = time.perf_counter()
-        enqueue.append((queued - start) / calls * 1e6)
-        wall.append((done - start) / calls * 1e6)
-    return statistics.median(wall), statistics.median(enqueue)
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, got in zip(fns, samples):
+            got.append(time_once(fn, calls))
+    return [(statistics.median(w for w, _ in got), statistics.median(e for _, e in got), min(w for w, _ in got))
+            for got in samples]
 
 
 def synchronises(fn):
@@ -203,16 +214,17 @@ def main():
                                                           ratio=ratio, coff=coff, head_dim=head_dim))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {shape}: forward kernel {kernel_us:.2f} us "
           f"device time (graph replay); {args.calls} calls x {args.repeats} repeats, median")
-    print(f"{'entry point':38s} {'wall us':>8s} {'enqueue us':>10s}  syncs")
+    print(f"{'entry point':38s} {'wall us':>8s} {'enqueue us':>10s} {'best wall':>9s}  syncs")
     results = []
-    for name, fn, may_sync in entry_points(p, ratio, coff, head_dim):
-        wall, enqueue = wall_per_call_us(fn, args.calls, args.repeats)
+    points = entry_points(p, ratio, coff, head_dim)
+    timings = wall_per_call_us([fn for _, fn, _ in points], args.calls, args.repeats)
+    for (name, fn, may_sync), (wall, enqueue, best) in zip(points, timings):
         syncs = synchronises(fn)
         flag = "yes" if syncs else "no"
         if syncs != may_sync:
             flag += "  <-- unexpected"
-        print(f"{name:38s} {wall:8.2f} {enqueue:10.2f}  {flag}")
-        results.append(dict(name=name, wall_us=wall, enqueue_us=enqueue, synchronises=syncs))
+        print(f"{name:38s} {wall:8.2f} {enqueue:10.2f} {best:9.2f}  {flag}")
+        results.append(dict(name=name, wall_us=wall, enqueue_us=enqueue, best_wall_us=best, synchronises=syncs))
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=shape, calls=args.calls,
                   repeats=args.repeats, forward_kernel_device_us=kernel_us, date=time.strftime("%Y-%m-%d"),
                   results=results)
