@@ -245,15 +245,20 @@ def test_concurrent_wrapper_calls_compile_once(csa_log):
     assert len([r for r in csa_log.records if r.getMessage().startswith("compiled ")]) == 1
 
 
-@pytest.mark.L0
-def test_fast_plan_checks_what_the_compiled_entry_point_cannot():
-    """The wrappers' fast path (CUDA only) leaves dtype/extent/stride/alignment/device checks to
-    the compiled entry point, except for zero-row calls (``matches``); the rest is checked here."""
+def _fast_plan_of_a_small_pack():
+    """A checked r4 c2 d8 CPU plan wrapped as the wrappers' fast path would (no launcher)."""
     pack = make_pack([9, 6], 4, 2, 8)
     out = torch.empty(pack.total_comp, 8, dtype=torch.bfloat16)
     op = CSACompressorForward(*pack.inputs, out, ratio=4, coff=2)
     op.check_support()
-    fp = api._FastPlan(op, launch=None)
+    return pack, api._FastPlan(op, launch=None)
+
+
+@pytest.mark.L0
+def test_fast_plan_checks_what_the_compiled_entry_point_cannot():
+    """The wrappers' fast path (CUDA only) leaves dtype/extent/stride/alignment/device checks to
+    the compiled entry point, except for zero-row calls (``matches``); the rest is checked here."""
+    pack, fp = _fast_plan_of_a_small_pack()
     kv, score, ape, cu, comp = pack.inputs
     assert fp.matches(*pack.inputs)
     strided = torch.empty(kv.shape[1], kv.shape[0], dtype=kv.dtype).t()
@@ -278,11 +283,7 @@ def test_fast_plan_checks_what_the_compiled_entry_point_cannot():
 
 @pytest.mark.L0
 def test_fast_path_respects_the_validation_switch(monkeypatch):
-    pack = make_pack([9, 6], 4, 2, 8)
-    out = torch.empty(pack.total_comp, 8, dtype=torch.bfloat16)
-    op = CSACompressorForward(*pack.inputs, out, ratio=4, coff=2)
-    op.check_support()
-    fp = api._FastPlan(op, launch=None)
+    pack, fp = _fast_plan_of_a_small_pack()
     kv, _, _, cu, comp = pack.inputs
     for value, on in (("1", True), ("off", False), ("yes", True), ("0", False)):
         monkeypatch.setenv("CSA_FRONTEND_VALIDATE", value)
