@@ -308,6 +308,41 @@ def test_second_gpu_while_the_first_is_current(ratio):
 
 @pytest.mark.L0
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("ratio", [4, 64])
+def test_tensors_split_over_two_gpus_are_refused_after_the_fast_path_is_primed(ratio):
+    """The fast path leaves the one-device check to the compiled entry point; a pack whose
+    tensors are spread over cuda:0 and cuda:1 must still get the named error, for the wrappers
+    and the classes, and nothing may run."""
+    pack = make_pack([9 * ratio + 3, 4 * ratio], ratio, 2, 128, seed=3, device="cuda:1")
+    kw = dict(ratio=ratio, coff=2)
+    out = csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"]
+    grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    fwd = CSACompressorForward(*pack.inputs, out, **kw)
+    fwd.compile()
+    kv, score, ape, cu, comp = pack.inputs
+    for index, moved in enumerate((score, ape, cu, comp)):
+        inputs = [kv, score, ape, cu, comp]
+        inputs[index + 1] = moved.to("cuda:0")
+        name = ("score", "ape", "cu_seqlens", "cu_seqlens_comp")[index]
+        with pytest.raises(ValueError, match=name):
+            csa_compressor_forward_wrapper(*inputs, total_comp=pack.total_comp, **kw)
+        with pytest.raises(ValueError, match=name):
+            csa_compressor_backward_wrapper(*inputs, pack.grad_out, **kw)
+        kept = out.clone()
+        with pytest.raises(ValueError, match=name):
+            fwd.execute(*inputs, out)
+        assert torch.equal(out, kept)
+    with pytest.raises(ValueError, match="grad_out"):
+        csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out.to("cuda:0"), **kw)
+    with pytest.raises(ValueError, match="out"):
+        fwd.execute(*pack.inputs, out.to("cuda:0"))
+    assert torch.equal(csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)["out"], out)
+    for got, want in zip(csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw), grads):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.L0
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_stream_of_another_device_is_rejected():
     pack = make_pack([9, 6], 4, 2, 64, device="cuda:1")
     other = torch.cuda.Stream(device=0)
