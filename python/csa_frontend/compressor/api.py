@@ -196,8 +196,7 @@ class CSACompressorForward(_CompressorOp):
         fast = self._fast
         if fast is not None and current_stream is None:
             try:  # the compiled entry point checks the tensors (see the wrappers' fast path)
-                if (kv.device == fast.dev and out.shape[0] > 0
-                        and fast.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, out.shape[0])):
+                if fast.serves_operator(kv, cu_seqlens, cu_seqlens_comp, out.shape[0]):
                     fast.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
                     return
             except Exception:  # refused before launching: the named checks below say why
@@ -272,10 +271,9 @@ class CSACompressorBackward(_CompressorOp):
         """grad_ape only reaches the kernels as a flat view, so its shape is checked here."""
         fast = self._fast
         try:
-            return (kv.device == fast.dev and grad_out.shape[0] > 0 and grad_ape.dtype is _F32
-                    and grad_ape.shape == fast.ape_shape and grad_ape.is_contiguous()
+            return (grad_ape.dtype is _F32 and grad_ape.shape == fast.ape_shape and grad_ape.is_contiguous()
                     and grad_ape.device == fast.dev
-                    and fast.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, grad_out.shape[0]))
+                    and fast.serves_operator(kv, cu_seqlens, cu_seqlens_comp, grad_out.shape[0]))
         except Exception:
             return False
 
@@ -380,6 +378,12 @@ class _FastPlan:
                 and kv.is_contiguous() and score.is_contiguous() and ape.is_contiguous()
                 and cu_seqlens.is_contiguous() and cu_seqlens_comp.is_contiguous()
                 and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15)
+
+    def serves_operator(self, kv, cu_seqlens, cu_seqlens_comp, rows) -> bool:
+        """An operator object's ``execute`` may launch directly: unlike the wrappers' lookup,
+        nothing keyed the plan by kv's device, so it is compared here, and a call without rows
+        launches nothing, so only the named checks can vet its tensors."""
+        return kv.device == self.dev and rows > 0 and self.beyond_entry_checks(kv, cu_seqlens, cu_seqlens_comp, rows)
 
     def beyond_entry_checks(self, kv, cu_seqlens, cu_seqlens_comp, rows) -> bool:
         """What the compiled entry point does not check (see the comment above)."""
