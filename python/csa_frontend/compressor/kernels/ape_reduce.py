@@ -1,19 +1,22 @@
 """grad_ape = sum of the backward's partial slabs, in slab order (deterministic, no atomics).
 
-Each CTA owns 32 consecutive grad_ape elements and splits the slab axis into ``SPLIT``
-contiguous chunks, one per warp (16 warps keep each warp's chain of dependent loads short);
-warp ``w`` sums chunk ``w`` in slab order, then warp 0 sums the chunk totals in warp order. The order depends only on the slab count, which the
-schedule derives from the row count alone.
+A CTA of ``WARPS`` warps owns ``32 * WARPS / split`` consecutive grad_ape elements: ``split``
+warps share each 32-element group and divide the slab axis into ``split`` contiguous chunks,
+each summed in slab order; the chunk totals are then summed in chunk order. ``split`` is a
+runtime argument chosen from the slab count alone (``ape_split``), so the order, hence the
+bits, depends on the shape and nothing else. Many slabs (short rows, small ratio: 512 slabs
+of 4096 elements) want many warps per element, each with a short chain of loads in flight;
+few slabs over many elements (ratio 128: 9 slabs of 131072 elements) want one thread per
+element: the old fixed 16-way split ran 2M mostly idle threads there (9.8 us on the H200).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
-ELEMS = 32
-SPLIT = 16
+from .schedule import APE_REDUCE_WARPS as WARPS
 
 
 class ApeReduce:
@@ -22,33 +25,38 @@ class ApeReduce:
         self,
         mSlab: cute.Tensor,  # (row_groups, ratio*coff*d) fp32
         mGApe: cute.Tensor,  # (ratio*coff*d,) fp32
+        split: Int32,
         stream,
     ):
         n = mGApe.shape[0]
-        self.kernel(mSlab, mGApe).launch(
-            grid=((n + ELEMS - 1) // ELEMS, 1, 1), block=(ELEMS * SPLIT, 1, 1), stream=stream
+        per_cta = 32 * WARPS // split
+        self.kernel(mSlab, mGApe, split).launch(
+            grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mSlab, mGApe):
+    def kernel(self, mSlab, mGApe, split):
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
-        e = bx * ELEMS + tidx % ELEMS
-        w = tidx // ELEMS
+        w = tidx // 32
+        group = w // split
+        part = w - group * split
+        local = group * 32 + tidx % 32
+        e = bx * (32 * WARPS // split) + local
         n_slab = mSlab.shape[0]
-        chunk = (n_slab + SPLIT - 1) // SPLIT
-        begin = w * chunk
+        chunk = (n_slab + split - 1) // split
+        begin = part * chunk
         end = cutlass.min(begin + chunk, n_slab)
         acc = Float32(0.0)
         if e < mGApe.shape[0]:
-            for g in cutlass.range(begin, end, unroll=8):
+            for g in cutlass.range(begin, end, unroll=16):
                 acc = acc + mSlab[g, e]
         smem = SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((SPLIT, ELEMS), stride=(ELEMS, 1)), 16)
-        sPart[w, tidx % ELEMS] = acc
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
+        sPart[w, tidx % 32] = acc
         cute.arch.sync_threads()
-        if w == 0 and e < mGApe.shape[0]:
-            tot = sPart[0, tidx]
-            for j in cutlass.range_constexpr(1, SPLIT):
-                tot = tot + sPart[j, tidx]
+        if part == 0 and e < mGApe.shape[0]:
+            tot = sPart[w, tidx % 32]
+            for j in cutlass.range(1, split, unroll=1):
+                tot = tot + sPart[w + j, tidx % 32]
             mGApe[e] = tot

@@ -11,7 +11,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
 
 
 @dsl_user_op
@@ -244,6 +246,7 @@ def load_window(
     coff: cutlass.Constexpr,
     n_vec: cutlass.Constexpr,
     vec: cutlass.Constexpr,
+    staged=None,
 ):
     """Gather one row's whole window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
 
@@ -251,6 +254,8 @@ def load_window(
     position known at compile time: routing the window family through ``load_chunk`` cost ~30
     extra integer instructions per thread (measured in PTX), 6-10% of the nearly compute-bound
     forward on the H200. ``mKV``/``mS`` are the whole (T, coff*d) inputs (see ``window_view``).
+    With ``staged`` (this thread's ``stage_slots``) kv and score come from shared memory,
+    where ``stage_window`` copied them; ape still comes from global (L1-resident).
     """
     wKV = window_view(mKV, own0, ratio, coff, vec)
     wS = window_view(mS, own0, ratio, coff, vec)
@@ -259,8 +264,12 @@ def load_window(
         if cutlass.const_expr(coff == 2 and k < ratio):
             # previous block, first-half columns, ape row k
             if has_prev:
-                kvv = widen_bf16(wKV[(0, None), (k, cv)].load(), vec)
-                scv = widen_bf16(wS[(0, None), (k, cv)].load(), vec)
+                if cutlass.const_expr(staged is not None):
+                    kvv = widen_bf16(staged[k, None].load(), vec)
+                    scv = widen_bf16(staged[coff * ratio + k, None].load(), vec)
+                else:
+                    kvv = widen_bf16(wKV[(0, None), (k, cv)].load(), vec)
+                    scv = widen_bf16(wS[(0, None), (k, cv)].load(), vec)
                 apv = gA[(0, None), (k, cv)].load()
                 for v in cutlass.range_constexpr(vec):
                     rS[k, v] = scv[v] + apv[v]
@@ -272,12 +281,68 @@ def load_window(
         else:
             i = k - ratio if cutlass.const_expr(coff == 2) else k
             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-            kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
-            scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
+            if cutlass.const_expr(staged is not None):
+                kvv = widen_bf16(staged[k, None].load(), vec)
+                scv = widen_bf16(staged[coff * ratio + k, None].load(), vec)
+            else:
+                kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
+                scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
             apv = gA[(0, None), (i, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[k, v] = scv[v] + apv[v]
                 rX[k, v] = kvv[v]
+
+
+def can_stage(vec: int) -> bool:
+    """cp.async moves 4, 8 or 16 bytes: bf16 vectors of 2, 4 or 8 elements (not odd head_dim)."""
+    return vec >= 2
+
+
+def stage_buffers(width: int, threads: int, vec: int, extra: int = 0):
+    """Two pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
+    ``width`` score rows (+ ``extra`` more rows, e.g. grad_out) of ``vec`` elements per thread.
+    Thread-major within a row, so a warp's accesses to one row are consecutive (no bank
+    conflicts)."""
+    rows = 2 * width + extra
+    smem = SmemAllocator()
+    return smem.allocate_tensor(
+        BFloat16, cute.make_layout((2, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)),
+        16)
+
+
+@cute.jit
+def stage_slots(sBuf: cute.Tensor, stage: Int32, tidx: Int32) -> cute.Tensor:
+    """One thread's ``(rows, vec)`` slots in one stage: kv rows ``[0, width)``, score rows
+    ``[width, 2*width)``, then the extra rows."""
+    return sBuf[stage, None, tidx, None]
+
+
+@cute.jit
+def copy_async(src: cute.Tensor, dst: cute.Tensor, vec: cutlass.Constexpr):
+    """One ``vec``-wide bf16 vector global -> shared by cp.async (no registers, no wait)."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=16 * vec)
+    cute.copy(atom, src, dst)
+
+
+@cute.jit
+def stage_window(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, own0: Int32,
+                 has_prev: cutlass.Boolean, cv: Int32, ratio: cutlass.Constexpr, coff: cutlass.Constexpr,
+                 n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Start copying one row's window (the positions ``load_window`` reads) into this thread's
+    ``slots`` (``stage_slots``); invalid positions are skipped (``load_window`` never reads
+    them)."""
+    width = coff * ratio
+    wKV = window_view(mKV, own0, ratio, coff, vec)
+    wS = window_view(mS, own0, ratio, coff, vec)
+    for k in cutlass.range_constexpr(width):
+        if cutlass.const_expr(coff == 2 and k < ratio):
+            if has_prev:
+                copy_async(wKV[(0, None), (k, cv)], slots[k, None], vec)
+                copy_async(wS[(0, None), (k, cv)], slots[width + k, None], vec)
+        else:
+            colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
+            copy_async(wKV[(0, None), (k, colt)], slots[k, None], vec)
+            copy_async(wS[(0, None), (k, colt)], slots[width + k, None], vec)
 
 
 @cute.jit
@@ -310,6 +375,37 @@ def store_zeros(gT: cute.Tensor, tok: Int32, colt: Int32, vec: cutlass.Constexpr
 
 
 @cute.jit
+def chunk_position(own0: Int32, has_prev: cutlass.Boolean, cv: Int32, k: Int32, ratio: cutlass.Constexpr,
+                   coff: cutlass.Constexpr, n_vec: cutlass.Constexpr):
+    """(token, column slice, ape row, valid) of window position ``k`` (SPEC section 2)."""
+    tok = own0 + k
+    colt = cv
+    arow = k
+    ok = k < coff * ratio
+    if cutlass.const_expr(coff == 2):
+        if k < ratio:
+            tok = own0 - ratio + k
+            ok = ok and has_prev
+        else:
+            tok = own0 + k - ratio
+            colt = cv + n_vec
+            arow = k - ratio
+    return tok, colt, arow, ok
+
+
+@cute.jit
+def stage_chunk(gKV: cute.Tensor, gS: cute.Tensor, slots: cute.Tensor, own0: Int32, has_prev: cutlass.Boolean,
+                cv: Int32, k0: Int32, chunk: cutlass.Constexpr, ratio: cutlass.Constexpr,
+                coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Start copying the valid positions ``load_chunk`` reads into this thread's ``slots``."""
+    for i in cutlass.range_constexpr(chunk):
+        tok, colt, arow, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
+        if ok:
+            copy_async(gKV[(0, None), (tok, colt)], slots[i, None], vec)
+            copy_async(gS[(0, None), (tok, colt)], slots[chunk + i, None], vec)
+
+
+@cute.jit
 def load_chunk(
     gKV: cute.Tensor,
     gS: cute.Tensor,
@@ -325,6 +421,7 @@ def load_chunk(
     coff: cutlass.Constexpr,
     n_vec: cutlass.Constexpr,
     vec: cutlass.Constexpr,
+    staged=None,
 ):
     """Gather window positions ``[k0, k0+chunk)`` for the columns ``[cv*vec, cv*vec+vec)``.
 
@@ -333,25 +430,19 @@ def load_chunk(
     ``(1, vec)`` tiles, so each access is one ``vec``-wide vector, and ``own0`` is the block's
     first token. Positions past the window end and the previous block of a segment's first
     block read nothing and come back as score -inf / kv 0 (zero weight). ``k0`` is a runtime
-    value (the chunk lane's first position); ``load_window`` is the compile-time twin.
+    value (the chunk lane's first position); ``load_window`` is the compile-time twin. With
+    ``staged`` (this thread's ``stage_slots``, filled by ``stage_chunk``) kv and score come
+    from shared memory.
     """
     for i in cutlass.range_constexpr(chunk):
-        k = k0 + i
-        tok = own0 + k
-        colt = cv
-        arow = k
-        ok = k < coff * ratio
-        if cutlass.const_expr(coff == 2):
-            if k < ratio:
-                tok = own0 - ratio + k
-                ok = ok and has_prev
-            else:
-                tok = own0 + k - ratio
-                colt = cv + n_vec
-                arow = k - ratio
+        tok, colt, arow, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
         if ok:
-            kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
-            scv = gS[(0, None), (tok, colt)].load().to(Float32)
+            if cutlass.const_expr(staged is not None):
+                kvv = staged[i, None].load().to(Float32)
+                scv = staged[chunk + i, None].load().to(Float32)
+            else:
+                kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
+                scv = gS[(0, None), (tok, colt)].load().to(Float32)
             apv = gA[(0, None), (arow, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[i, v] = scv[v] + apv[v]

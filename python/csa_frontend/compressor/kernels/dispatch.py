@@ -18,6 +18,7 @@ import torch
 
 from .schedule import (
     Schedule,
+    ape_split,
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
@@ -154,7 +155,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
                         f["slab"], one, one, one, stream, options=_options(arch))
     if atomic:
         return main, None, sched
-    reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], stream, options=_options(arch))
+    reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
     return main, reduce, sched
 
 
@@ -272,7 +273,7 @@ def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens
         slab.zero_()
     main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
          rpt, groups, zero_ctas)
-    reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1))
+    reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1), ape_split(slab.shape[0]))
 
 
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,

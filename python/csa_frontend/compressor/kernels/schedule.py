@@ -145,3 +145,18 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
     zero them), and at least one CTA for tokens past ``cu_seqlens[-1]``.
     """
     return max(1, -(-n_segments // sched.row_lanes))
+
+
+#: grad_ape slab reduction: warps per CTA, and slabs one warp chain sums before the slab axis
+#: is split over more warps.
+APE_REDUCE_WARPS = 16
+APE_SLABS_PER_CHAIN = 32
+
+
+def ape_split(n_slab: int) -> int:
+    """Warps sharing one 32-element group of grad_ape (1, 2, 4, 8 or 16), from the slab count
+    alone so the summation order depends on nothing but the shape."""
+    split = 1
+    while split < APE_REDUCE_WARPS and n_slab > split * APE_SLABS_PER_CHAIN:
+        split *= 2
+    return split

@@ -14,8 +14,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from .common import (BackwardKernel, block_start, chunk_softmax, div_exact, find_segment, load_chunk,
-                     mul_rn, reduce_chunks, store_partial, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, chunk_softmax, copy_async, div_exact, find_segment,
+                     load_chunk, mul_rn, reduce_chunks, stage_buffers, stage_chunk, stage_slots, store_partial,
+                     zero_tokens)
 from .stream_fwd import partial_buffers
 
 
@@ -48,13 +49,31 @@ class StreamBackward(BackwardKernel):
             rPart = cute.make_rmem_tensor((chunk, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
+            # Software pipeline over the CTA's rows, as the stream forward (grad_out slice too).
+            staged = can_stage(vec)
+            sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
+            row = bx * rows_per_cta
+            seg = find_segment(mCuC, n_seg, row, self.warp_rows)
+            blk = row - mCuC[seg]
+            own0, has_prev = block_start(mCu[seg], blk, ratio, mKV.shape[0])
+            if cutlass.const_expr(staged):
+                if row < n_real and col_ok:
+                    self.stage_row(gKV, gS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
+                cute.arch.cp_async_commit_group()
             for it in cutlass.range(rows_per_cta, unroll=1):
-                row = bx * rows_per_cta + it
+                nrow = row + 1
+                nseg = find_segment(mCuC, n_seg, nrow, self.warp_rows)
+                nblk = nrow - mCuC[nseg]
+                nown0, nhas_prev = block_start(mCu[nseg], nblk, ratio, mKV.shape[0])
+                slots = None
+                if cutlass.const_expr(staged):
+                    if it + 1 < rows_per_cta and nrow < n_real and col_ok:
+                        self.stage_row(gKV, gS, gGO, stage_slots(sBuf, (it + 1) % 2, tidx), nrow, nown0,
+                                       nhas_prev, cv, k0)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
+                    slots = stage_slots(sBuf, it % 2, tidx)
                 if row < n_real:
-                    seg = find_segment(mCuC, n_seg, row, self.warp_rows)
-                    t0 = mCu[seg]
-                    blk = row - mCuC[seg]
-                    own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
                     rS = cute.make_rmem_tensor((chunk, vec), Float32)
                     rX = cute.make_rmem_tensor((chunk, vec), Float32)
                     rG = cute.make_rmem_tensor((vec,), Float32)
@@ -62,8 +81,12 @@ class StreamBackward(BackwardKernel):
                     rX.fill(0.0)
                     rG.fill(0.0)
                     if col_ok:
-                        load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec)
-                        rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
+                        load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec,
+                                   slots)
+                        if cutlass.const_expr(staged):
+                            rG.store(slots[2 * chunk, None].load().to(Float32))
+                        else:
+                            rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
                     rDen = cute.make_rmem_tensor((vec,), Float32)
                     chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec,
                                   threads)
@@ -123,6 +146,7 @@ class StreamBackward(BackwardKernel):
                                 zero_tokens(gGKV, gGS, own0 + c, own0 + ratio, n_chunks, cv, 1, n_vec, vec)
                             zero_tokens(gGKV, gGS, own0 + ratio + c, mCu[seg + 1], n_chunks, cv, coff,
                                         n_vec, vec)
+                row, seg, blk, own0, has_prev = nrow, nseg, nblk, nown0, nhas_prev
             if col_ok:
                 for i in cutlass.range_constexpr(chunk):
                     k = k0 + i
@@ -144,3 +168,10 @@ class StreamBackward(BackwardKernel):
                         zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
                 zero_tokens(gGKV, gGS, mCu[n_seg] + zb * n_chunks + c, mKV.shape[0], zero_ctas * n_chunks,
                             cv, coff, n_vec, vec)
+
+    @cute.jit
+    def stage_row(self, gKV, gS, gGO, slots, row, own0, has_prev, cv, k0):
+        """Start the copies of this thread's chunk of one row and its grad_out slice."""
+        chunk = self.sched.chunk
+        stage_chunk(gKV, gS, slots, own0, has_prev, cv, k0, chunk, self.ratio, self.coff, self.n_vec, self.vec)
+        copy_async(gGO[(0, None), (row, cv)], slots[2 * chunk, None], self.vec)

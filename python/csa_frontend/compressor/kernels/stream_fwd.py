@@ -17,8 +17,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, chunk_softmax, div_exact, load_chunk, mul_rn, row_start,
-                     reduce_chunks)
+from .common import (PoolingKernel, block_start, can_stage, chunk_softmax, div_exact, load_chunk, mul_rn,
+                     reduce_chunks, row_start, stage_buffers, stage_chunk, stage_slots)
 
 
 def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
@@ -68,18 +68,39 @@ class StreamForward(PoolingKernel):
         gS = cute.zipped_divide(mS, (1, vec))
         gA = cute.zipped_divide(mApe, (1, vec))
         gO = cute.zipped_divide(mOut, (1, vec))
+        # Software pipeline over the CTA's rows (as the window backward): the next row's chunk
+        # is in flight into the other shared-memory stage while this row is reduced; each
+        # thread reads only the slots it copied.
+        staged = can_stage(vec)
+        sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
+        row = bx * rows_per_cta
+        t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
+        own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
+        if cutlass.const_expr(staged):
+            if row < mOut.shape[0] and cv < n_vec:
+                stage_chunk(gKV, gS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, c * chunk, chunk,
+                            self.ratio, self.coff, n_vec, vec)
+            cute.arch.cp_async_commit_group()
         for it in cutlass.range(rows_per_cta, unroll=1):
-            row = bx * rows_per_cta + it
+            nrow = row + 1
+            nt0, nblk = row_start(mCu, mCuC, n_seg, nrow, self.warp_rows)
+            nown0, nhas_prev = block_start(nt0, nblk, self.ratio, mKV.shape[0])
+            slots = None
+            if cutlass.const_expr(staged):
+                if it + 1 < rows_per_cta and nrow < mOut.shape[0] and cv < n_vec:
+                    stage_chunk(gKV, gS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv,
+                                c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                slots = stage_slots(sBuf, it % 2, tidx)
             if row < mOut.shape[0]:
-                t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
                 rS = cute.make_rmem_tensor((chunk, vec), Float32)
                 rX = cute.make_rmem_tensor((chunk, vec), Float32)
                 rS.fill(-Float32.inf)
                 rX.fill(0.0)
                 if cv < n_vec:
-                    own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
                     load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, c * chunk, chunk, self.ratio,
-                               self.coff, n_vec, vec)
+                               self.coff, n_vec, vec, slots)
                 rDen = cute.make_rmem_tensor((vec,), Float32)
                 chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec, threads)
                 for v in cutlass.range_constexpr(vec):
@@ -100,3 +121,4 @@ class StreamForward(PoolingKernel):
                     for v in cutlass.range_constexpr(vec):
                         rO[v] = sFin[0, col * vec + v]
                     gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+            row, own0, has_prev = nrow, nown0, nhas_prev

@@ -20,8 +20,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, div_exact, find_segment, load_window, mul_rn,
-                     softmax_column, store_partial, store_zeros, window_view, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, find_segment, load_window,
+                     mul_rn, softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
+                     widen_bf16, window_view, zero_tokens)
 
 
 class WindowBackward(BackwardKernel):
@@ -43,22 +44,48 @@ class WindowBackward(BackwardKernel):
         gGKV = cute.zipped_divide(mGKV, (1, vec))
         gGS = cute.zipped_divide(mGS, (1, vec))
         if bx < row_groups:
+            staged = can_stage(vec)
+            sBuf = stage_buffers(width, self.sched.threads, vec, 1) if cutlass.const_expr(staged) else None
+            gGO = cute.zipped_divide(mGO, (1, vec))
             rPart = cute.make_rmem_tensor((width, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
-            for it in cutlass.range(rows_per_thread, unroll=1):
-                row = (bx * rows_per_thread + it) * lanes + lane
-                # before the branch: with warp_rows the whole warp votes (padding rows included)
-                seg = find_segment(mCuC, n_seg, row, self.warp_rows)
+            # Software pipeline over this thread's rows: while row ``it`` is computed, the
+            # window of row ``it + 1`` is already in flight into the other shared-memory stage
+            # (cp.async), so the DRAM latency is paid once per thread instead of once per row.
+            # Each thread reads only the slots it copied itself: no barrier, only its own
+            # cp.async group wait.
+            row = bx * rows_per_thread * lanes + lane
+            # before any branch: with warp_rows the whole warp votes (padding rows included)
+            seg = find_segment(mCuC, n_seg, row, self.warp_rows)
+            blk = row - mCuC[seg]
+            own0, has_prev = block_start(mCu[seg], blk, ratio, mKV.shape[0])
+            if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
-                    t0 = mCu[seg]
-                    blk = row - mCuC[seg]
-                    own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
+                    self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv)
+                cute.arch.cp_async_commit_group()
+            for it in cutlass.range(rows_per_thread, unroll=1):
+                nrow = row + lanes
+                nseg = find_segment(mCuC, n_seg, nrow, self.warp_rows)
+                nblk = nrow - mCuC[nseg]
+                nown0, nhas_prev = block_start(mCu[nseg], nblk, ratio, mKV.shape[0])
+                slots = None
+                if cutlass.const_expr(staged):
+                    if it + 1 < rows_per_thread and nrow < n_real and col_ok:
+                        self.stage_row(mKV, mS, gGO, stage_slots(sBuf, (it + 1) % 2, tidx), nrow, nown0,
+                                       nhas_prev, cv)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
+                    slots = stage_slots(sBuf, it % 2, tidx)
+                if row < n_real and col_ok:
                     rS = cute.make_rmem_tensor((width, vec), Float32)
                     rX = cute.make_rmem_tensor((width, vec), Float32)
-                    load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec)
-                    gGO = cute.zipped_divide(mGO, (1, vec))
-                    rG = gGO[(0, None), (row, cv)].load().to(Float32)
+                    load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec, slots)
+                    rG = cute.make_rmem_tensor((vec,), Float32)
+                    if cutlass.const_expr(staged):
+                        rG.store(widen_bf16(slots[2 * width, None].load(), vec))
+                    else:
+                        rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
                     rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((width, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
@@ -106,6 +133,7 @@ class WindowBackward(BackwardKernel):
                                 store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
                                 store_zeros(wGS, ratio + i, cv, vec, BFloat16)
                         zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], 1, cv, coff, n_vec, vec)
+                row, seg, blk, own0, has_prev = nrow, nseg, nblk, nown0, nhas_prev
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
@@ -117,6 +145,12 @@ class WindowBackward(BackwardKernel):
                         zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
                 zero_tokens(gGKV, gGS, mCu[n_seg] + zb * lanes + lane, mKV.shape[0], zero_ctas * lanes,
                             cv, coff, n_vec, vec)
+
+    @cute.jit
+    def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv):
+        """Start the copies of one row's window and its grad_out slice into ``slots``."""
+        stage_window(mKV, mS, slots, own0, has_prev, cv, self.ratio, self.coff, self.n_vec, self.vec)
+        copy_async(gGO[(0, None), (row, cv)], slots[2 * self.width, None], self.vec)
 
     @cute.jit
     def reduce_lanes(self, rPart, mSlab, bx, by, tidx, cvl, lane):
