@@ -291,3 +291,28 @@ def test_atomic_grad_ape_path(ratio, coff, head_dim):
                      deterministic=False)
     assert torch.equal(fast[0], det[0]) and torch.equal(fast[1], det[1])
     torch.testing.assert_close(fast[2], det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
+
+
+# ---- long row walks: the cp.async row pipeline across segment boundaries ----
+
+@pytest.fixture
+def few_ctas(monkeypatch):
+    """Aim every launch at one CTA per column tile, so each thread (window backward) or CTA
+    (stream family) walks many rows: the next row's window is staged while this one is
+    pooled, across empty and short segments, tails and padding rows."""
+    from csa_frontend.compressor.kernels import schedule
+    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_CTAS", "STREAM_FWD_TARGET_CTAS"):
+        monkeypatch.setattr(schedule, name, 1)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (3, 2, 65), (2, 2, 64)])
+def test_window_rows_walked_per_thread(few_ctas, ratio, coff, head_dim):
+    lengths = edge_lengths(ratio) * 6 + [0, ratio - 1]
+    check_config(ratio, coff, head_dim, lengths, pad_rows=7, seed=ratio + head_dim)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65)])
+def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
+    check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)

@@ -49,7 +49,7 @@ class ApeReduce:
         end = cutlass.min(begin + chunk, n_slab)
         acc = Float32(0.0)
         if e < mGApe.shape[0]:
-            for g in cutlass.range(begin, end, unroll=16):
+            for g in cutlass.range(begin, end, unroll=32):
                 acc = acc + mSlab[g, e]
         smem = SmemAllocator()
         sPart = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)

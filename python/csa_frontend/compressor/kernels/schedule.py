@@ -33,9 +33,13 @@ for _item in filter(None, os.environ.get("CSA_FRONTEND_WINDOW_BUDGET", "").split
 #: Backward CTAs we aim for before a thread walks several rows: each CTA writes one grad_ape
 #: partial slab, so more CTAs mean more slab traffic and a longer fixed-order reduction (1536
 #: slabs cost 3x8192 r4 c1 d512 a third of its time), fewer leave SMs idle (192 CTAs: 44% of
-#: the floor). About 4 resident waves of 2 CTAs per SM on a 132-SM H200. A constant, not the
-#: SM count, so the reduction order of grad_ape is the same on every GPU.
-BWD_TARGET_CTAS = 512
+#: the floor). 256 is one resident wave of 2 CTAs per SM on a 132-SM H100/H200 (measured on
+#: the H200 with the pipelined backward: 3x8192 r4 c2 d512 69.1 -> 66.3 us against 512 CTAs,
+#: 83.4 us at 384 = 1.45 waves). A constant, not the SM count, so the reduction order of
+#: grad_ape is the same on every GPU.
+BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
+#: Stream backward CTAs we aim for (one row at a time per CTA, one slab each).
+STREAM_BWD_TARGET_CTAS = 256
 #: Cap on rows one backward thread walks.
 BWD_MAX_ROWS_PER_THREAD = 32
 
@@ -115,8 +119,8 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
     if sched.family == "stream":
-        # one row at a time per CTA: walk enough rows that about BWD_TARGET_CTAS/2 CTAs remain
-        return max(1, -(-n_rows * sched.col_tiles // (BWD_TARGET_CTAS // 2)))
+        # one row at a time per CTA: walk enough rows that about STREAM_BWD_TARGET_CTAS remain
+        return max(1, -(-n_rows * sched.col_tiles // STREAM_BWD_TARGET_CTAS))
     """Rows each backward thread walks: the fewest that bring the CTA count down to
     BWD_TARGET_CTAS (at most BWD_MAX_ROWS_PER_THREAD)."""
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
@@ -124,7 +128,7 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
 
 
 #: Stream forward CTAs we aim for; each walks rows one at a time (one row's window per CTA).
-STREAM_FWD_TARGET_CTAS = 1024
+STREAM_FWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_CTAS", "1024"))
 
 
 def fwd_rows_per_cta(n_rows: int, sched: Schedule) -> int:
