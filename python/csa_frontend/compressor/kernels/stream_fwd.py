@@ -71,7 +71,9 @@ class StreamForward(PoolingKernel):
         # Software pipeline over the CTA's rows (as the window backward): the next row's chunk
         # is in flight into the other shared-memory stage while this row is reduced; each
         # thread reads only the slots it copied.
-        staged = can_stage(vec)
+        # coff 1 windows are not staged: measured on the H200, staging made them slower (r128 c1
+        # d128 30.3 -> 33.6 us, r64 c1 d512 54.1 -> 57.5 us) while coff 2 gained 10-22%
+        staged = can_stage(vec) and self.coff == 2
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
         t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
