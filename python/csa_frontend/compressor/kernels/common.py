@@ -264,16 +264,7 @@ def load_window(
         if cutlass.const_expr(coff == 2 and k < ratio):
             # previous block, first-half columns, ape row k
             if has_prev:
-                if cutlass.const_expr(staged is not None):
-                    kvv = widen_bf16(staged[k, None].load(), vec)
-                    scv = widen_bf16(staged[coff * ratio + k, None].load(), vec)
-                else:
-                    kvv = widen_bf16(wKV[(0, None), (k, cv)].load(), vec)
-                    scv = widen_bf16(wS[(0, None), (k, cv)].load(), vec)
-                apv = gA[(0, None), (k, cv)].load()
-                for v in cutlass.range_constexpr(vec):
-                    rS[k, v] = scv[v] + apv[v]
-                    rX[k, v] = kvv[v]
+                gather_position(wKV, wS, gA, rS, rX, staged, k, cv, k, coff * ratio, vec)
             else:
                 for v in cutlass.range_constexpr(vec):
                     rS[k, v] = -Float32.inf
@@ -281,16 +272,25 @@ def load_window(
         else:
             i = k - ratio if cutlass.const_expr(coff == 2) else k
             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-            if cutlass.const_expr(staged is not None):
-                kvv = widen_bf16(staged[k, None].load(), vec)
-                scv = widen_bf16(staged[coff * ratio + k, None].load(), vec)
-            else:
-                kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
-                scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
-            apv = gA[(0, None), (i, colt)].load()
-            for v in cutlass.range_constexpr(vec):
-                rS[k, v] = scv[v] + apv[v]
-                rX[k, v] = kvv[v]
+            gather_position(wKV, wS, gA, rS, rX, staged, k, colt, i, coff * ratio, vec)
+
+
+@cute.jit
+def gather_position(wKV: cute.Tensor, wS: cute.Tensor, gA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
+                    staged, k: cutlass.Constexpr, colt: Int32, arow: cutlass.Constexpr,
+                    width: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """``rS[k]`` = score + ape, ``rX[k]`` = kv of window row ``k`` (column slice ``colt``), kv
+    and score from the staged slots or straight from the window views."""
+    if cutlass.const_expr(staged is not None):
+        kvv = widen_bf16(staged[k, None].load(), vec)
+        scv = widen_bf16(staged[width + k, None].load(), vec)
+    else:
+        kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
+        scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
+    apv = gA[(0, None), (arow, colt)].load()
+    for v in cutlass.range_constexpr(vec):
+        rS[k, v] = scv[v] + apv[v]
+        rX[k, v] = kvv[v]
 
 
 def can_stage(vec: int) -> bool:
@@ -364,6 +364,25 @@ def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constex
         else:
             den = den + e
     return den
+
+
+@cute.jit
+def weights_and_products(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, n: cutlass.Constexpr,
+                         den: Float32, g: Float32) -> Float32:
+    """Backward, column ``v`` of ``n`` positions: ``rS`` (exp) becomes ``p = e / den`` (correctly
+    rounded), ``rX`` (kv) becomes ``p * (g * kv)``; returns their left-to-right sum."""
+    rcp = Float32(1.0) / den
+    total = Float32(0.0)
+    for i in cutlass.range_constexpr(n):
+        p = div_exact(rS[i, v], den, rcp)
+        pd = mul_rn(p, mul_rn(g, rX[i, v]))
+        rS[i, v] = p
+        rX[i, v] = pd
+        if cutlass.const_expr(i == 0):
+            total = pd
+        else:
+            total = total + pd
+    return total
 
 
 @cute.jit
@@ -556,3 +575,18 @@ def zero_tokens(gGKV: cute.Tensor, gGS: cute.Tensor, begin: Int32, end: Int32, s
         for half in cutlass.range_constexpr(coff):
             store_zeros(gGKV, begin + j * step, cv + half * n_vec, vec, BFloat16)
             store_zeros(gGS, begin + j * step, cv + half * n_vec, vec, BFloat16)
+
+
+@cute.jit
+def zero_fill_cta(gGKV: cute.Tensor, gGS: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, zb: Int32,
+                  lane: Int32, lanes: cutlass.Constexpr, zero_ctas: Int32, cv: Int32, n_tok: Int32,
+                  coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Zero-fill CTA ``zb`` of a backward grid: row lane ``lane`` of ``lanes`` zeroes segment
+    ``zb * lanes + lane`` when it has no output row (shorter than ratio), then every
+    ``zero_ctas * lanes``-th token past the last segment."""
+    n_seg = mCu.shape[0] - 1
+    seg = zb * lanes + lane
+    if seg < n_seg:
+        if mCuC[seg + 1] == mCuC[seg]:
+            zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
+    zero_tokens(gGKV, gGS, mCu[n_seg] + seg, n_tok, zero_ctas * lanes, cv, coff, n_vec, vec)

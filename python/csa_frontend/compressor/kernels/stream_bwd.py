@@ -14,9 +14,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from .common import (BackwardKernel, block_start, can_stage, chunk_softmax, copy_async, div_exact, find_segment,
+from .common import (BackwardKernel, block_start, can_stage, chunk_softmax, copy_async, find_segment,
                      load_chunk, mul_rn, reduce_chunks, stage_buffers, stage_chunk, stage_slots, store_partial,
-                     zero_tokens)
+                     weights_and_products, zero_fill_cta, zero_tokens)
 from .stream_fwd import partial_buffers
 
 
@@ -91,20 +91,7 @@ class StreamBackward(BackwardKernel):
                     chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec,
                                   threads)
                     for v in cutlass.range_constexpr(vec):
-                        den = rDen[v]
-                        rcp = Float32(1.0) / den
-                        g = rG[v]
-                        part = Float32(0.0)
-                        for i in cutlass.range_constexpr(chunk):
-                            p = div_exact(rS[i, v], den, rcp)
-                            pd = mul_rn(p, mul_rn(g, rX[i, v]))
-                            rS[i, v] = p
-                            rX[i, v] = pd
-                            if cutlass.const_expr(i == 0):
-                                part = pd
-                            else:
-                                part = part + pd
-                        sPart[c, col * vec + v] = part
+                        sPart[c, col * vec + v] = weights_and_products(rS, rX, v, chunk, rDen[v], rG[v])
                     cute.arch.sync_threads()
                     reduce_chunks(sPart, sGrp, sFin[0, None], tidx, n_chunks, ct * vec, threads, False)
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
@@ -162,12 +149,7 @@ class StreamBackward(BackwardKernel):
         else:
             zb = bx - row_groups
             if col_ok:
-                seg = zb * n_chunks + c
-                if seg < n_seg:
-                    if mCuC[seg + 1] == mCuC[seg]:
-                        zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
-                zero_tokens(gGKV, gGS, mCu[n_seg] + zb * n_chunks + c, mKV.shape[0], zero_ctas * n_chunks,
-                            cv, coff, n_vec, vec)
+                zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, c, n_chunks, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
 
     @cute.jit
     def stage_row(self, gKV, gS, gGO, slots, row, own0, has_prev, cv, k0):

@@ -20,9 +20,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, find_segment, load_window,
+from .common import (BackwardKernel, block_start, can_stage, copy_async, find_segment, load_window,
                      mul_rn, softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
-                     widen_bf16, window_view, zero_tokens)
+                     weights_and_products, widen_bf16, window_view, zero_fill_cta, zero_tokens)
 
 
 class WindowBackward(BackwardKernel):
@@ -89,20 +89,9 @@ class WindowBackward(BackwardKernel):
                     rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((width, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
-                        den = softmax_column(rS, v, width)
-                        rcp = Float32(1.0) / den
                         g = rG[v]
                         # rS <- p, rX <- p * dp, then the left-to-right sum S
-                        ssum = Float32(0.0)
-                        for k in cutlass.range_constexpr(width):
-                            p = div_exact(rS[k, v], den, rcp)
-                            pd = mul_rn(p, mul_rn(g, rX[k, v]))
-                            rS[k, v] = p
-                            rX[k, v] = pd
-                            if cutlass.const_expr(k == 0):
-                                ssum = pd
-                            else:
-                                ssum = ssum + pd
+                        ssum = weights_and_products(rS, rX, v, width, softmax_column(rS, v, width), g)
                         for k in cutlass.range_constexpr(width):
                             gs = rX[k, v] - mul_rn(rS[k, v], ssum)
                             if cutlass.const_expr(coff == 2 and k < ratio):
@@ -139,12 +128,7 @@ class WindowBackward(BackwardKernel):
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
             zb = bx - row_groups
             if col_ok:
-                seg = zb * lanes + lane
-                if seg < n_seg:
-                    if mCuC[seg + 1] == mCuC[seg]:
-                        zero_tokens(gGKV, gGS, mCu[seg], mCu[seg + 1], 1, cv, coff, n_vec, vec)
-                zero_tokens(gGKV, gGS, mCu[n_seg] + zb * lanes + lane, mKV.shape[0], zero_ctas * lanes,
-                            cv, coff, n_vec, vec)
+                zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
 
     @cute.jit
     def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv):
