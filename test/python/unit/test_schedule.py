@@ -88,7 +88,19 @@ def test_zero_fill_covers_every_segment(n_segments):
 
 
 def test_planner_never_sees_the_sm_count():
-    for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.fwd_rows_per_cta,
+    for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.fwd_rows_per_cta, sch.ape_split,
                sch.zero_fill_ctas):
         assert not any("sm" in p.lower() for p in inspect.signature(fn).parameters)
     assert "multi_processor_count" not in inspect.getsource(sch)
+
+
+@pytest.mark.parametrize("n_slab", [1, 2, 31, 32, 33, 64, 65, 255, 256, 257, 512, 513, 1024, 10 ** 6])
+def test_ape_split_keeps_chains_short(n_slab):
+    """Warps per grad_ape element group: a power of two dividing the CTA's warps, the fewest
+    that keep each warp's chain of slabs at APE_SLABS_PER_CHAIN (all warps past that)."""
+    split = sch.ape_split(n_slab)
+    assert split in (1, 2, 4, 8, 16) and sch.APE_REDUCE_WARPS % split == 0
+    chain = -(-n_slab // split)
+    assert chain <= sch.APE_SLABS_PER_CHAIN or split == sch.APE_REDUCE_WARPS
+    if split > 1:  # one split fewer would leave a chain too long
+        assert -(-n_slab // (split // 2)) > sch.APE_SLABS_PER_CHAIN
