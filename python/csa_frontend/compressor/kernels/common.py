@@ -187,6 +187,17 @@ class BackwardKernel(PoolingKernel):
 
 
 @cute.jit
+def row_block(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, ratio: cutlass.Constexpr,
+              n_tok: Int32, warp_rows: cutlass.Constexpr = False):
+    """Backward: (segment, block index, first token, previous block valid) of ``row``. Padding
+    rows get some segment in range; the backward skips them."""
+    seg = find_segment(mCuC, n_seg, row, warp_rows)
+    blk = row - mCuC[seg]
+    own0, has_prev = block_start(mCu[seg], blk, ratio, n_tok)
+    return seg, blk, own0, has_prev
+
+
+@cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
               warp_rows: cutlass.Constexpr = False):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.

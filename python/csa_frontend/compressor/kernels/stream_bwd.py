@@ -14,9 +14,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from .common import (BackwardKernel, block_start, can_stage, chunk_softmax, copy_async, find_segment,
-                     load_chunk, mul_rn, reduce_chunks, stage_buffers, stage_chunk, stage_slots, store_partial,
-                     weights_and_products, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, can_stage, chunk_softmax, copy_async, load_chunk, mul_rn, reduce_chunks,
+                     row_block, stage_buffers, stage_chunk, stage_slots, store_partial, weights_and_products,
+                     zero_fill_cta, zero_tokens)
 from .stream_fwd import partial_buffers
 
 
@@ -53,18 +53,15 @@ class StreamBackward(BackwardKernel):
             staged = can_stage(vec)
             sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
             row = bx * rows_per_cta
-            seg = find_segment(mCuC, n_seg, row, self.warp_rows)
-            blk = row - mCuC[seg]
-            own0, has_prev = block_start(mCu[seg], blk, ratio, mKV.shape[0])
+            seg, blk, own0, has_prev = row_block(mCu, mCuC, n_seg, row, ratio, mKV.shape[0], self.warp_rows)
             if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
                     self.stage_row(gKV, gS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
                 cute.arch.cp_async_commit_group()
             for it in cutlass.range(rows_per_cta, unroll=1):
                 nrow = row + 1
-                nseg = find_segment(mCuC, n_seg, nrow, self.warp_rows)
-                nblk = nrow - mCuC[nseg]
-                nown0, nhas_prev = block_start(mCu[nseg], nblk, ratio, mKV.shape[0])
+                nseg, nblk, nown0, nhas_prev = row_block(mCu, mCuC, n_seg, nrow, ratio, mKV.shape[0],
+                                                         self.warp_rows)
                 slots = None
                 if cutlass.const_expr(staged):
                     if it + 1 < rows_per_cta and nrow < n_real and col_ok:

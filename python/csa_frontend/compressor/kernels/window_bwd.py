@@ -20,9 +20,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, find_segment, load_window,
-                     mul_rn, softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
-                     weights_and_products, widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, can_stage, copy_async, load_window, mul_rn, row_block, softmax_column,
+                     stage_buffers, stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
+                     widen_bf16, window_view, zero_fill_cta, zero_tokens)
 
 
 class WindowBackward(BackwardKernel):
@@ -57,18 +57,15 @@ class WindowBackward(BackwardKernel):
             # cp.async group wait.
             row = bx * rows_per_thread * lanes + lane
             # before any branch: with warp_rows the whole warp votes (padding rows included)
-            seg = find_segment(mCuC, n_seg, row, self.warp_rows)
-            blk = row - mCuC[seg]
-            own0, has_prev = block_start(mCu[seg], blk, ratio, mKV.shape[0])
+            seg, blk, own0, has_prev = row_block(mCu, mCuC, n_seg, row, ratio, mKV.shape[0], self.warp_rows)
             if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
                     self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv)
                 cute.arch.cp_async_commit_group()
             for it in cutlass.range(rows_per_thread, unroll=1):
                 nrow = row + lanes
-                nseg = find_segment(mCuC, n_seg, nrow, self.warp_rows)
-                nblk = nrow - mCuC[nseg]
-                nown0, nhas_prev = block_start(mCu[nseg], nblk, ratio, mKV.shape[0])
+                nseg, nblk, nown0, nhas_prev = row_block(mCu, mCuC, n_seg, nrow, ratio, mKV.shape[0],
+                                                         self.warp_rows)
                 slots = None
                 if cutlass.const_expr(staged):
                     if it + 1 < rows_per_thread and nrow < n_real and col_ok:
