@@ -15,6 +15,17 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+
+def _per_direction(defaults: dict, env: str) -> dict:
+    """``defaults`` with overrides from a tuning knob such as ``fwd=16,bwd=32`` (benchmark
+    sweeps; read once at import)."""
+    values = dict(defaults)
+    for item in filter(None, os.environ.get(env, "").split(",")):
+        direction, value = item.split("=")
+        values[direction.strip()] = int(value)
+    return values
+
+
 #: Threads per CTA we aim for; 256 keeps 8 warps per CTA and leaves room for 2+ CTAs per SM.
 CTA_THREADS = 256
 #: fp32 window values (positions x vec) one thread may hold per operand, per direction.
@@ -22,14 +33,11 @@ CTA_THREADS = 256
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
 #: at 19-42% of the DRAM floor). Swept on the H200 (benchmark/NOTES.md): forward is fastest at
 #: 16 values (vec 2 for r4/c2, 5 CTAs per SM), backward at 32 (vec 4).
-WINDOW_REGISTER_BUDGET = {"fwd": 16, "bwd": 32}
+#: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
+WINDOW_REGISTER_BUDGET = _per_direction({"fwd": 16, "bwd": 32}, "CSA_FRONTEND_WINDOW_BUDGET")
 #: Widest vector per direction: backward at vec 8 (r4 c1, 32 values) ran 3x8192 d512 in 46.6 us,
 #: at vec 4 in 39.2 us (more CTAs per SM); the forward keeps 16-byte accesses where they fit.
 WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
-#: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
-for _item in filter(None, os.environ.get("CSA_FRONTEND_WINDOW_BUDGET", "").split(",")):
-    _direction, _values = _item.split("=")
-    WINDOW_REGISTER_BUDGET[_direction.strip()] = int(_values)
 #: Backward CTAs we aim for before a thread walks several rows: each CTA writes one grad_ape
 #: partial slab, so more CTAs mean more slab traffic and a longer fixed-order reduction (1536
 #: slabs cost 3x8192 r4 c1 d512 a third of its time), fewer leave SMs idle (192 CTAs: 44% of
@@ -99,11 +107,8 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 #: one row's whole window (n_chunks lanes) for col_threads column slices. Swept on the H200
 #: (benchmark/NOTES.md): 16 is fastest in both directions (backward spilled at 32 with 512
 #: threads; forward at 16 runs 1x65536 r128 c2 d512 in 206 us against 220 at 32).
-STREAM_CHUNK_VALUES = {"fwd": 16, "bwd": 16}
 #: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=16,bwd=16".
-for _item in filter(None, os.environ.get("CSA_FRONTEND_STREAM_CHUNK", "").split(",")):
-    _direction, _values = _item.split("=")
-    STREAM_CHUNK_VALUES[_direction.strip()] = int(_values)
+STREAM_CHUNK_VALUES = _per_direction({"fwd": 16, "bwd": 16}, "CSA_FRONTEND_STREAM_CHUNK")
 STREAM_CTA_THREADS = 256
 
 
@@ -118,11 +123,11 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
+    """Rows each backward thread walks (window family): the fewest that bring the CTA count down
+    to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD. Stream family: rows each CTA walks, one
+    at a time, so that about STREAM_BWD_TARGET_CTAS CTAs remain."""
     if sched.family == "stream":
-        # one row at a time per CTA: walk enough rows that about STREAM_BWD_TARGET_CTAS remain
         return max(1, -(-n_rows * sched.col_tiles // STREAM_BWD_TARGET_CTAS))
-    """Rows each backward thread walks: the fewest that bring the CTA count down to
-    BWD_TARGET_CTAS (at most BWD_MAX_ROWS_PER_THREAD)."""
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
     return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
 
