@@ -19,7 +19,7 @@ from packs import edge_lengths, offsets, random_inputs
 
 # (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
 # the own-block window, and a ratio served by the stream family.
-CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128)]
+CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 

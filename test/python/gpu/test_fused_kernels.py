@@ -301,7 +301,7 @@ def few_ctas(monkeypatch):
     (stream family) walks many rows: the next row's window is staged while this one is
     pooled, across empty and short segments, tails and padding rows."""
     from csa_frontend.compressor.kernels import schedule
-    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_CTAS", "STREAM_FWD_TARGET_CTAS"):
+    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_CTAS", "STREAM_FWD_TARGET_THREADS"):
         monkeypatch.setattr(schedule, name, 1)
 
 
@@ -313,6 +313,6 @@ def test_window_rows_walked_per_thread(few_ctas, ratio, coff, head_dim):
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
 def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)

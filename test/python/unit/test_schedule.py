@@ -34,8 +34,16 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
     else:
         assert s.family == "stream"
         assert s.chunk == max(1, sch.STREAM_CHUNK_VALUES[direction] // s.vec)
-        assert s.row_lanes * s.chunk >= width > (s.row_lanes - 1) * s.chunk  # chunks tile the window
-        assert s.threads <= sch.STREAM_CTA_THREADS
+        if direction == "fwd":
+            # whole warps of chunks (merged by shuffles): the padding is less than one warp's share
+            per_warp = max(1, 32 // s.col_threads)
+            assert s.col_threads & (s.col_threads - 1) == 0
+            assert s.row_lanes % per_warp == 0
+            assert s.row_lanes * s.chunk >= width > (s.row_lanes - per_warp) * s.chunk
+            assert s.col_threads < 2 * n_vec  # no more than one power of two past the columns
+        else:
+            assert s.row_lanes * s.chunk >= width > (s.row_lanes - 1) * s.chunk  # chunks tile the window
+        assert s.threads <= sch.STREAM_CTA_THREADS[direction]
 
 
 def test_window_to_stream_boundary():
@@ -74,10 +82,21 @@ def test_window_rows_per_thread_bucket_edges():
 
 def test_stream_forward_rows_per_cta():
     s = sch.choose_schedule(128, 2, 512, "fwd")
+    row_ctas = sch.STREAM_FWD_TARGET_THREADS // s.threads // s.col_tiles
     assert sch.fwd_rows_per_cta(1, s) == 1
-    n = sch.STREAM_FWD_TARGET_CTAS // s.col_tiles
-    assert sch.fwd_rows_per_cta(n, s) == 1
-    assert sch.fwd_rows_per_cta(n + 1, s) == 2
+    assert sch.fwd_rows_per_cta(row_ctas, s) == 1
+    assert sch.fwd_rows_per_cta(row_ctas + 1, s) == 2
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (64, 1, 512), (200, 2, 192), (256, 1, 4096)])
+def test_stream_forward_grid_stays_within_target(ratio, coff, head_dim):
+    """Whatever the row count, the grid never exceeds the target (no second-wave stragglers)."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    for n_rows in [1, 7, 255, 256, 257, 512, 1000, 1024, 4096, 10 ** 5 + 3]:
+        rpc = sch.fwd_rows_per_cta(n_rows, s)
+        ctas = -(-n_rows // rpc) * s.col_tiles
+        assert ctas * s.threads <= max(sch.STREAM_FWD_TARGET_THREADS, s.col_tiles * s.threads)
+        assert -(-n_rows // rpc) * rpc >= n_rows
 
 
 @pytest.mark.parametrize("n_segments", [0, 1, 2, 3, 511, 512, 513])

@@ -48,6 +48,22 @@ def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
     )
 
 
+@dsl_user_op
+def exp2_approx(a, *, loc=None, ip=None) -> Float32:
+    """``2**a`` by the MUFU unit (``ex2.approx.f32``: 2 ulp, subnormal results kept, no ftz)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip)],
+            "ex2.approx.f32 $0, $1;",
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 @cute.jit
 def div_exact(a: Float32, b: Float32, rcp_b: Float32) -> Float32:
     """``a / b`` correctly rounded, given ``rcp_b = 1 / b`` correctly rounded.
@@ -210,6 +226,22 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
         t0 = mCu[seg]
         blk = row - mCuC[seg]
     return t0, blk
+
+
+@cute.jit
+def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """(first token, first row, end row) of ``row``'s segment, for walking consecutive rows:
+    rows before the end row need no new lookup. A padding row pools segment 0's first block
+    and spans only itself."""
+    t0 = Int32(0)
+    lo = row
+    hi = row + 1
+    if row < mCuC[n_seg]:
+        seg = find_segment(mCuC, n_seg, row)
+        t0 = mCu[seg]
+        lo = mCuC[seg]
+        hi = mCuC[seg + 1]
+    return t0, lo, hi
 
 
 @cute.jit

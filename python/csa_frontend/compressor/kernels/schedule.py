@@ -105,19 +105,54 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
 #: one row's whole window (n_chunks lanes) for col_threads column slices. Swept on the H200
-#: (benchmark/NOTES.md): 16 is fastest in both directions (backward spilled at 32 with 512
-#: threads; forward at 16 runs 1x65536 r128 c2 d512 in 206 us against 220 at 32).
-#: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=16,bwd=16".
-STREAM_CHUNK_VALUES = _per_direction({"fwd": 16, "bwd": 16}, "CSA_FRONTEND_STREAM_CHUNK")
-STREAM_CTA_THREADS = 256
+#: (benchmark/NOTES.md): the backward is fastest at 16 (it spilled at 32 with 512 threads); the
+#: forward keeps its ape slice in registers too and runs at 32 (at 16: 60 -> 64 registers
+#: saved, but 19% slower from the extra partials).
+#: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=32,bwd=16".
+STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREAM_CHUNK")
+#: Threads per stream CTA. The forward goes to 512 for windows of 32+ chunks, so that 16
+#: column threads read a whole 128-byte line of every token row (at 256, 8 threads read half a
+#: line: ncu on the H200 showed the L2 81% busy at 61% of DRAM bandwidth for r128 c2 d512,
+#: 89 us; at 512, 78 us). Tuning knob, e.g. CSA_FRONTEND_STREAM_THREADS="fwd=256,bwd=256"
+#: (the forward's value is its cap).
+STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 256}, "CSA_FRONTEND_STREAM_THREADS")
+#: Below this many chunks the forward stays at 256 threads (measured: the 16- and 8-chunk
+#: windows of r128 c1 d128 and r64 c1 d512 ran slower in 512-thread CTAs).
+STREAM_FWD_WIDE_CHUNKS = 32
+#: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
+#: flush to zero) instead of libdevice ``expf``. Measured on the H200: r64 c1 d512 43.8 -> 38.4 us,
+#: r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract holds (GPU tests).
+STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
+#: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
+#: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
+#: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us), not coff 2
+#: (r128 c2 d512 92.9 -> 88.0 us without it).
+STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 0}, "CSA_FRONTEND_STREAM_FWD_STAGED")
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+#: Widest stream vector per direction (swept on the H200: the forward at vec 8 lost 2-20%
+#: against vec 4). Tuning knob, e.g. CSA_FRONTEND_STREAM_MAX_VEC="fwd=8,bwd=4".
+STREAM_MAX_VEC = _per_direction({"fwd": 4, "bwd": 4}, "CSA_FRONTEND_STREAM_MAX_VEC")
 
 
 def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str) -> Schedule:
-    vec = min(vec, 4)
+    vec = min(vec, STREAM_MAX_VEC[direction])
     chunk = max(1, STREAM_CHUNK_VALUES[direction] // vec)
     n_chunks = -(-coff * ratio // chunk)
     n_vec = head_dim // vec
-    col_threads = max(1, min(n_vec, STREAM_CTA_THREADS // n_chunks))
+    if direction == "fwd":
+        # The forward merges the chunks of a warp by shuffles: col_threads is a power of two and
+        # the chunk count is padded (with empty chunks) to whole warps.
+        threads = STREAM_CTA_THREADS["fwd"] if n_chunks >= STREAM_FWD_WIDE_CHUNKS else min(256, STREAM_CTA_THREADS["fwd"])
+        col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
+        per_warp = max(1, 32 // col_threads)
+        n_chunks = -(-n_chunks // per_warp) * per_warp
+    else:
+        col_threads = max(1, min(n_vec, STREAM_CTA_THREADS[direction] // n_chunks))
     col_tiles = -(-n_vec // col_threads)
     return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
@@ -132,13 +167,18 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
     return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
 
 
-#: Stream forward CTAs we aim for; each walks rows one at a time (one row's window per CTA).
-STREAM_FWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_CTAS", "1024"))
+#: Stream forward threads we aim for across the grid; each CTA walks rows one at a time. 65536
+#: threads is one resident wave on a 132-SM H100/H200 at 128 registers per thread (256 CTAs of
+#: 256 threads, or 128 of 512). The row CTAs are fixed first (``ctas // col_tiles``), so the
+#: grid never spills a few CTAs into a second wave (1x131072 r128 c2 d512 launched 272 CTAs
+#: at a target of 264).
+STREAM_FWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_THREADS", "65536"))
 
 
 def fwd_rows_per_cta(n_rows: int, sched: Schedule) -> int:
     """Stream forward: rows one CTA walks (the window family takes one row per thread)."""
-    return max(1, -(-n_rows * sched.col_tiles // STREAM_FWD_TARGET_CTAS))
+    row_ctas = max(1, STREAM_FWD_TARGET_THREADS // sched.threads // sched.col_tiles)
+    return max(1, -(-n_rows // row_ctas))
 
 
 def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:

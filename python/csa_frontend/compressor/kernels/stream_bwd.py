@@ -13,11 +13,21 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
+from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, can_stage, chunk_softmax, copy_async, load_chunk, mul_rn, reduce_chunks,
                      row_block, stage_buffers, stage_chunk, stage_slots, store_partial, weights_and_products,
                      zero_fill_cta, zero_tokens)
-from .stream_fwd import partial_buffers
+
+
+def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
+    """Shared buffers of ``reduce_chunks``: per-chunk partials, per-group partials, results."""
+    smem = SmemAllocator()
+    groups = max(1, threads // tile_cols)
+    return tuple(
+        smem.allocate_tensor(Float32, cute.make_layout((rows, tile_cols), stride=(tile_cols, 1)), 16)
+        for rows in (n_chunks, groups, 1)
+    )
 
 
 class StreamBackward(BackwardKernel):

@@ -1,12 +1,18 @@
 """Stream-family forward: a CTA pools rows one at a time, each row's window split in chunks.
 
-For windows too wide for one thread's registers (large ratio). Thread ``(c, col)`` loads
-window positions ``[c*chunk, (c+1)*chunk)`` of column slice ``col`` once (every input element
-is read from DRAM exactly once). The arithmetic follows the reference's structure: the
-window max (exact), ``e = exp(s - max)``, ``den`` as chunk sums combined in chunk order,
-weights ``e / den`` correctly rounded, and the weighted sum as chunk sums combined in chunk
-order. It differs from the reference only by re-association at chunk boundaries, and is
-bitwise reproducible (fixed orders, no atomics).
+For windows too wide for one thread's registers (large ratio). Thread ``(c, col)`` owns window
+positions ``[c*chunk, (c+1)*chunk)`` of column slice ``col`` for every row the CTA walks, so
+its slice of ``ape`` is loaded into registers once (``ape`` is as many bytes per row as kv and
+score together: re-reading it per row doubled the traffic into the SMs). Every input element
+is read from DRAM exactly once.
+
+Softmax by partials: each thread reduces its chunk to ``(m, d, a)`` = (chunk max,
+``sum exp(s - m)``, ``sum kv * exp(s - m)``); partials merge pairwise in chunk order (the
+smaller max rescaled by ``exp(m_lo - m_hi)``), first across the chunks of a warp by shuffles,
+then across warps through shared memory, and ``out = a / d`` rounds once to bf16. One barrier
+per row (the partial buffers alternate between rows), and no per-element division. The merge
+order is fixed, so outputs are bitwise reproducible; they differ from the reference by
+re-association only (tolerance contract, docs/csa_compressor.md).
 
 Grid: x over groups of ``rows_per_cta`` rows, y over column tiles of ``col_threads`` slices.
 """
@@ -17,18 +23,115 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, can_stage, chunk_softmax, div_exact, load_chunk, mul_rn,
-                     reduce_chunks, row_start, stage_buffers, stage_chunk, stage_slots)
+from .common import (PoolingKernel, block_start, can_stage, chunk_position, copy_async, exp2_approx, fma_rn,
+                     row_span, safe_max, stage_buffers, stage_chunk, stage_slots, widen_bf16)
+from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
+
+LOG2E = 1.4426950408889634
 
 
-def partial_buffers(n_chunks: int, tile_cols: int, threads: int):
-    """Shared buffers of ``reduce_chunks``: per-chunk partials, per-group partials, results."""
+@cute.jit
+def chunk_view(mT: cute.Tensor, tok: Int32, vec: cutlass.Constexpr) -> cute.Tensor:
+    """``mT`` re-based at token row ``tok`` in ``(1, vec)`` tiles: a chunk's positions are then
+    compile-time offsets from one base address."""
+    return cute.zipped_divide(cute.domain_offset((tok, 0), mT), (1, vec))
+
+
+@cute.jit
+def stage_uniform_chunk(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, tok: Int32, colt: Int32,
+                        ok: cutlass.Boolean, chunk: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """``stage_chunk`` for a chunk inside one window half: consecutive tokens, one column slice."""
+    if ok:
+        wKV = chunk_view(mKV, tok, vec)
+        wS = chunk_view(mS, tok, vec)
+        for i in cutlass.range_constexpr(chunk):
+            copy_async(wKV[(0, None), (i, colt)], slots[i, None], vec)
+            copy_async(wS[(0, None), (i, colt)], slots[chunk + i, None], vec)
+
+
+@cute.jit
+def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
+                  own0: Int32, has_prev: cutlass.Boolean, cv: Int32, k0: Int32, chunk: cutlass.Constexpr,
+                  ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr,
+                  vec: cutlass.Constexpr, staged):
+    """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
+    positions; invalid positions get -inf / 0. Chunks inside one window half (``chunk`` divides
+    ``ratio``) take one validity test and one base address; others go position by position."""
+    if cutlass.const_expr(ratio % chunk == 0):
+        tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
+        wKV = chunk_view(mKV, tok, vec)
+        wS = chunk_view(mS, tok, vec)
+        for i in cutlass.range_constexpr(chunk):
+            if ok:
+                _gather_one(wKV, wS, rA, rS, rX, staged, i, i, colt, chunk, vec)
+            else:
+                _invalid(rS, rX, i, vec)
+    else:
+        gKV = cute.zipped_divide(mKV, (1, vec))
+        gS = cute.zipped_divide(mS, (1, vec))
+        for i in cutlass.range_constexpr(chunk):
+            tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
+            if ok:
+                _gather_one(gKV, gS, rA, rS, rX, staged, i, tok, colt, chunk, vec)
+            else:
+                _invalid(rS, rX, i, vec)
+
+
+@cute.jit
+def _gather_one(gKV, gS, rA, rS, rX, staged, i: cutlass.Constexpr, tok, colt, chunk: cutlass.Constexpr,
+                vec: cutlass.Constexpr):
+    if cutlass.const_expr(staged is not None):
+        kvv = widen_bf16(staged[i, None].load(), vec)
+        scv = widen_bf16(staged[chunk + i, None].load(), vec)
+    else:
+        kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
+        scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
+    for v in cutlass.range_constexpr(vec):
+        rS[i, v] = scv[v] + rA[i, v]
+        rX[i, v] = kvv[v]
+
+
+@cute.jit
+def _invalid(rS, rX, i: cutlass.Constexpr, vec: cutlass.Constexpr):
+    for v in cutlass.range_constexpr(vec):
+        rS[i, v] = -Float32.inf
+        rX[i, v] = Float32(0.0)
+
+
+@cute.jit
+def exp_shifted(s: Float32, m: Float32, m_log2e: Float32, fast: cutlass.Constexpr) -> Float32:
+    """``exp(s - m)``: libdevice ``expf``, or with ``fast`` one FMA and ``ex2.approx``
+    (``m_log2e`` = ``m * log2(e)``)."""
+    r = Float32(0.0)
+    if cutlass.const_expr(fast):
+        r = exp2_approx(fma_rn(s, Float32(LOG2E), -m_log2e))
+    else:
+        r = cute.math.exp(s - m)
+    return r
+
+
+@cute.jit
+def merge_partials(m1: Float32, d1: Float32, a1: Float32, m2: Float32, d2: Float32, a2: Float32,
+                   fast: cutlass.Constexpr):
+    """Merge softmax partials ``(max, sum exp(s - max), sum kv exp(s - max))``: the one with the
+    smaller max is rescaled by ``exp(m_lo - m_hi)`` (0 when it saw only -inf). NaN in either
+    partial's sums stays NaN, as in the reference."""
+    hi = cute.arch.fmax(m1, m2)
+    top = safe_max(hi)
+    f = exp_shifted(cute.arch.fmin(m1, m2), top, top * Float32(LOG2E), fast)
+    s1 = Float32(1.0)
+    s2 = f
+    if m1 < m2:
+        s1 = f
+        s2 = Float32(1.0)
+    return hi, d1 * s1 + d2 * s2, a1 * s1 + a2 * s2
+
+
+def merge_buffers(groups: int, tile_cols: int):
+    """Shared (m, d, a) partials: two row parities x warp groups x the tile's columns."""
     smem = SmemAllocator()
-    groups = max(1, threads // tile_cols)
-    return tuple(
-        smem.allocate_tensor(Float32, cute.make_layout((rows, tile_cols), stride=(tile_cols, 1)), 16)
-        for rows in (n_chunks, groups, 1)
-    )
+    layout = cute.make_layout((2, groups, tile_cols), stride=(groups * tile_cols, tile_cols, 1))
+    return tuple(smem.allocate_tensor(Float32, layout, 16) for _ in range(3))
 
 
 class StreamForward(PoolingKernel):
@@ -55,72 +158,117 @@ class StreamForward(PoolingKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta):
         vec, n_vec, chunk = self.vec, self.n_vec, self.sched.chunk
-        ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
+        ct, n_chunks, threads = self.sched.col_threads, self.sched.row_lanes, self.sched.threads
+        per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
+        groups = n_chunks // per_warp  # warp partials merged through shared memory
+        tile_cols = ct * vec
+        fast = STREAM_FAST_EXP
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         col = tidx % ct
         c = tidx // ct
+        k0 = c * chunk
         cv = by * ct + col
+        active = cv < n_vec
         n_seg = mCu.shape[0] - 1
-        threads = self.sched.threads
-        sPart, sGrp, sFin = partial_buffers(n_chunks, ct * vec, threads)
-        gKV = cute.zipped_divide(mKV, (1, vec))
-        gS = cute.zipped_divide(mS, (1, vec))
+        n_rows = mOut.shape[0]
+        sM, sD, sA = merge_buffers(groups, tile_cols)
+
+        # this thread's ape slice, for every row (zeros past the window end)
         gA = cute.zipped_divide(mApe, (1, vec))
-        gO = cute.zipped_divide(mOut, (1, vec))
-        # Software pipeline over the CTA's rows (as the window backward): the next row's chunk
-        # is in flight into the other shared-memory stage while this row is reduced; each
-        # thread reads only the slots it copied.
-        # coff 1 windows are not staged: measured on the H200, staging made them slower (r128 c1
-        # d128 30.3 -> 33.6 us, r64 c1 d512 54.1 -> 57.5 us) while coff 2 gained 10-22%
-        staged = can_stage(vec) and self.coff == 2
+        rA = cute.make_rmem_tensor((chunk, vec), Float32)
+        rA.fill(0.0)
+        if active:
+            for i in cutlass.range_constexpr(chunk):
+                _, colt, arow, ok = chunk_position(Int32(0), True, cv, k0 + i, self.ratio, self.coff, n_vec)
+                if ok:
+                    apv = gA[(0, None), (arow, colt)].load()
+                    for v in cutlass.range_constexpr(vec):
+                        rA[i, v] = apv[v]
+
+        # Software pipeline over the CTA's rows: the next row is in flight into the other
+        # shared-memory stage while this row is reduced; each thread reads only the slots it
+        # copied. Rows are looked up incrementally (``row_span``): a search only when a row
+        # leaves its segment, as dependent loads of the offsets stalled every row.
+        staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
-        t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows)
-        own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
+        t0, lo, hi = row_span(mCu, mCuC, n_seg, row)
+        own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
         if cutlass.const_expr(staged):
-            if row < mOut.shape[0] and cv < n_vec:
-                stage_chunk(gKV, gS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, c * chunk, chunk,
-                            self.ratio, self.coff, n_vec, vec)
+            if row < n_rows and active:
+                self.stage(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0)
             cute.arch.cp_async_commit_group()
         for it in cutlass.range(rows_per_cta, unroll=1):
             nrow = row + 1
-            nt0, nblk = row_start(mCu, mCuC, n_seg, nrow, self.warp_rows)
-            nown0, nhas_prev = block_start(nt0, nblk, self.ratio, mKV.shape[0])
+            if nrow >= hi:
+                t0, lo, hi = row_span(mCu, mCuC, n_seg, nrow)
+            nown0, nhas_prev = block_start(t0, nrow - lo, self.ratio, mKV.shape[0])
             slots = None
             if cutlass.const_expr(staged):
-                if it + 1 < rows_per_cta and nrow < mOut.shape[0] and cv < n_vec:
-                    stage_chunk(gKV, gS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv,
-                                c * chunk, chunk, self.ratio, self.coff, n_vec, vec)
+                if it + 1 < rows_per_cta and nrow < n_rows and active:
+                    self.stage(mKV, mS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv, k0)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
                 slots = stage_slots(sBuf, it % 2, tidx)
-            if row < mOut.shape[0]:
+            if row < n_rows:
                 rS = cute.make_rmem_tensor((chunk, vec), Float32)
                 rX = cute.make_rmem_tensor((chunk, vec), Float32)
-                rS.fill(-Float32.inf)
-                rX.fill(0.0)
-                if cv < n_vec:
-                    load_chunk(gKV, gS, gA, rS, rX, own0, has_prev, cv, c * chunk, chunk, self.ratio,
-                               self.coff, n_vec, vec, slots)
-                rDen = cute.make_rmem_tensor((vec,), Float32)
-                chunk_softmax(rS, sPart, sGrp, sFin[0, None], rDen, c, col, tidx, chunk, n_chunks, vec, threads)
-                for v in cutlass.range_constexpr(vec):
-                    den = rDen[v]
-                    rcp = Float32(1.0) / den
-                    acc = Float32(0.0)
+                if active:
+                    gather_scores(mKV, mS, rA, rS, rX, own0, has_prev, cv, k0, chunk, self.ratio, self.coff,
+                                  n_vec, vec, slots)
+                else:
                     for i in cutlass.range_constexpr(chunk):
-                        term = mul_rn(rX[i, v], div_exact(rS[i, v], den, rcp))
-                        if cutlass.const_expr(i == 0):
-                            acc = term
-                        else:
-                            acc = acc + term
-                    sPart[c, col * vec + v] = acc
+                        _invalid(rS, rX, i, vec)
+                par = it % 2
+                for v in cutlass.range_constexpr(vec):
+                    # max over the warp's chunks (exact, so every lane agrees), then sums
+                    # relative to it, added in chunk order down the warp
+                    m = rS[0, v]
+                    for i in cutlass.range_constexpr(1, chunk):
+                        m = cute.arch.fmax(m, rS[i, v])
+                    dist = ct
+                    while cutlass.const_expr(dist < 32):
+                        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, dist))
+                        dist *= 2
+                    ms = safe_max(m)
+                    ms_log2e = ms * Float32(LOG2E)
+                    d = Float32(0.0)
+                    a = Float32(0.0)
+                    for i in cutlass.range_constexpr(chunk):
+                        e = exp_shifted(rS[i, v], ms, ms_log2e, fast)
+                        d = d + e
+                        a = a + rX[i, v] * e
+                    dist = ct
+                    while cutlass.const_expr(dist < 32):
+                        d = d + cute.arch.shuffle_sync_down(d, dist)
+                        a = a + cute.arch.shuffle_sync_down(a, dist)
+                        dist *= 2
+                    if c % per_warp == 0:
+                        g = c // per_warp
+                        sM[par, g, col * vec + v] = m
+                        sD[par, g, col * vec + v] = d
+                        sA[par, g, col * vec + v] = a
                 cute.arch.sync_threads()
-                reduce_chunks(sPart, sGrp, sFin[0, None], tidx, n_chunks, ct * vec, threads, False)
-                if c == 0 and cv < n_vec:
-                    rO = cute.make_rmem_tensor((vec,), Float32)
-                    for v in cutlass.range_constexpr(vec):
-                        rO[v] = sFin[0, col * vec + v]
-                    gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+                # warp partials merged in order; the merging warp rotates with the row
+                for q in cutlass.range_constexpr(-(-tile_cols // threads)):
+                    j = (tidx + 32 * it) % threads + q * threads
+                    if j < tile_cols and by * ct + j // vec < n_vec:
+                        m = sM[par, 0, j]
+                        d = sD[par, 0, j]
+                        a = sA[par, 0, j]
+                        for g in cutlass.range_constexpr(1, groups):
+                            m, d, a = merge_partials(m, d, a, sM[par, g, j], sD[par, g, j], sA[par, g, j], fast)
+                        mOut[row, by * tile_cols + j] = (a / d).to(BFloat16)
             row, own0, has_prev = nrow, nown0, nhas_prev
+
+    @cute.jit
+    def stage(self, mKV, mS, slots, own0, has_prev, cv, k0):
+        """Start copying the chunk's valid positions of one row into this thread's slots."""
+        chunk = self.sched.chunk
+        if cutlass.const_expr(self.ratio % chunk == 0):
+            tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, self.ratio, self.coff, self.n_vec)
+            stage_uniform_chunk(mKV, mS, slots, tok, colt, ok, chunk, self.vec)
+        else:
+            stage_chunk(cute.zipped_divide(mKV, (1, self.vec)), cute.zipped_divide(mS, (1, self.vec)), slots,
+                        own0, has_prev, cv, k0, chunk, self.ratio, self.coff, self.n_vec, self.vec)
