@@ -301,7 +301,7 @@ def few_ctas(monkeypatch):
     (stream family) walks many rows: the next row's window is staged while this one is
     pooled, across empty and short segments, tails and padding rows."""
     from csa_frontend.compressor.kernels import schedule
-    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_CTAS", "STREAM_FWD_TARGET_THREADS"):
+    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS"):
         monkeypatch.setattr(schedule, name, 1)
 
 

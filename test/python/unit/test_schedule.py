@@ -34,15 +34,12 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
     else:
         assert s.family == "stream"
         assert s.chunk == max(1, sch.STREAM_CHUNK_VALUES[direction] // s.vec)
-        if direction == "fwd":
-            # whole warps of chunks (merged by shuffles): the padding is less than one warp's share
-            per_warp = max(1, 32 // s.col_threads)
-            assert s.col_threads & (s.col_threads - 1) == 0
-            assert s.row_lanes % per_warp == 0
-            assert s.row_lanes * s.chunk >= width > (s.row_lanes - per_warp) * s.chunk
-            assert s.col_threads < 2 * n_vec  # no more than one power of two past the columns
-        else:
-            assert s.row_lanes * s.chunk >= width > (s.row_lanes - 1) * s.chunk  # chunks tile the window
+        # whole warps of chunks (reduced by shuffles): the padding is less than one warp's share
+        per_warp = max(1, 32 // s.col_threads)
+        assert s.col_threads & (s.col_threads - 1) == 0
+        assert s.row_lanes % per_warp == 0
+        assert s.row_lanes * s.chunk >= width > (s.row_lanes - per_warp) * s.chunk
+        assert s.col_threads < 2 * n_vec  # no more than one power of two past the columns
         assert s.threads <= sch.STREAM_CTA_THREADS[direction]
 
 

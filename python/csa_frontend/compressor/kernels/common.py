@@ -230,18 +230,20 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
 
 @cute.jit
 def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
-    """(first token, first row, end row) of ``row``'s segment, for walking consecutive rows:
-    rows before the end row need no new lookup. A padding row pools segment 0's first block
-    and spans only itself."""
+    """(first token, first row, end row, end token) of ``row``'s segment, for walking consecutive
+    rows: rows before the end row need no new lookup. A padding row pools segment 0's first
+    block and spans only itself."""
     t0 = Int32(0)
+    t1 = Int32(0)
     lo = row
     hi = row + 1
     if row < mCuC[n_seg]:
         seg = find_segment(mCuC, n_seg, row)
         t0 = mCu[seg]
+        t1 = mCu[seg + 1]
         lo = mCuC[seg]
         hi = mCuC[seg + 1]
-    return t0, lo, hi
+    return t0, lo, hi, t1
 
 
 @cute.jit

@@ -46,8 +46,10 @@ WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
 #: 83.4 us at 384 = 1.45 waves). A constant, not the SM count, so the reduction order of
 #: grad_ape is the same on every GPU.
 BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
-#: Stream backward CTAs we aim for (one row at a time per CTA, one slab each).
-STREAM_BWD_TARGET_CTAS = 256
+#: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
+#: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
+#: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
+STREAM_BWD_TARGET_THREADS = 65536
 #: Cap on rows one backward thread walks.
 BWD_MAX_ROWS_PER_THREAD = 32
 
@@ -144,15 +146,14 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     chunk = max(1, STREAM_CHUNK_VALUES[direction] // vec)
     n_chunks = -(-coff * ratio // chunk)
     n_vec = head_dim // vec
-    if direction == "fwd":
-        # The forward merges the chunks of a warp by shuffles: col_threads is a power of two and
-        # the chunk count is padded (with empty chunks) to whole warps.
-        threads = STREAM_CTA_THREADS["fwd"] if n_chunks >= STREAM_FWD_WIDE_CHUNKS else min(256, STREAM_CTA_THREADS["fwd"])
-        col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
-        per_warp = max(1, 32 // col_threads)
-        n_chunks = -(-n_chunks // per_warp) * per_warp
-    else:
-        col_threads = max(1, min(n_vec, STREAM_CTA_THREADS[direction] // n_chunks))
+    # Both directions reduce the chunks of a warp by shuffles: col_threads is a power of two and
+    # the chunk count is padded (with empty chunks) to whole warps.
+    threads = STREAM_CTA_THREADS[direction]
+    if direction == "fwd" and n_chunks < STREAM_FWD_WIDE_CHUNKS:
+        threads = min(256, threads)
+    col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
+    per_warp = max(1, 32 // col_threads)
+    n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
     return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
@@ -160,9 +161,11 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
     """Rows each backward thread walks (window family): the fewest that bring the CTA count down
     to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD. Stream family: rows each CTA walks, one
-    at a time, so that about STREAM_BWD_TARGET_CTAS CTAs remain."""
+    at a time, so that at most STREAM_BWD_TARGET_THREADS threads (and at least one CTA per
+    column tile) remain."""
     if sched.family == "stream":
-        return max(1, -(-n_rows * sched.col_tiles // STREAM_BWD_TARGET_CTAS))
+        row_ctas = max(1, STREAM_BWD_TARGET_THREADS // sched.threads // sched.col_tiles)
+        return max(1, -(-n_rows // row_ctas))
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
     return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
 

@@ -23,79 +23,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, can_stage, chunk_position, copy_async, exp2_approx, fma_rn,
-                     row_span, safe_max, stage_buffers, stage_chunk, stage_slots, widen_bf16)
+from .common import (PoolingKernel, block_start, can_stage, exp2_approx, fma_rn, row_span, safe_max, stage_buffers,
+                     stage_slots)
+from .stream_chunks import ape_slice, gather_scores, invalid_position, stage_any_chunk
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
 
 LOG2E = 1.4426950408889634
-
-
-@cute.jit
-def chunk_view(mT: cute.Tensor, tok: Int32, vec: cutlass.Constexpr) -> cute.Tensor:
-    """``mT`` re-based at token row ``tok`` in ``(1, vec)`` tiles: a chunk's positions are then
-    compile-time offsets from one base address."""
-    return cute.zipped_divide(cute.domain_offset((tok, 0), mT), (1, vec))
-
-
-@cute.jit
-def stage_uniform_chunk(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, tok: Int32, colt: Int32,
-                        ok: cutlass.Boolean, chunk: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """``stage_chunk`` for a chunk inside one window half: consecutive tokens, one column slice."""
-    if ok:
-        wKV = chunk_view(mKV, tok, vec)
-        wS = chunk_view(mS, tok, vec)
-        for i in cutlass.range_constexpr(chunk):
-            copy_async(wKV[(0, None), (i, colt)], slots[i, None], vec)
-            copy_async(wS[(0, None), (i, colt)], slots[chunk + i, None], vec)
-
-
-@cute.jit
-def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
-                  own0: Int32, has_prev: cutlass.Boolean, cv: Int32, k0: Int32, chunk: cutlass.Constexpr,
-                  ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr,
-                  vec: cutlass.Constexpr, staged):
-    """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
-    positions; invalid positions get -inf / 0. Chunks inside one window half (``chunk`` divides
-    ``ratio``) take one validity test and one base address; others go position by position."""
-    if cutlass.const_expr(ratio % chunk == 0):
-        tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
-        wKV = chunk_view(mKV, tok, vec)
-        wS = chunk_view(mS, tok, vec)
-        for i in cutlass.range_constexpr(chunk):
-            if ok:
-                _gather_one(wKV, wS, rA, rS, rX, staged, i, i, colt, chunk, vec)
-            else:
-                _invalid(rS, rX, i, vec)
-    else:
-        gKV = cute.zipped_divide(mKV, (1, vec))
-        gS = cute.zipped_divide(mS, (1, vec))
-        for i in cutlass.range_constexpr(chunk):
-            tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
-            if ok:
-                _gather_one(gKV, gS, rA, rS, rX, staged, i, tok, colt, chunk, vec)
-            else:
-                _invalid(rS, rX, i, vec)
-
-
-@cute.jit
-def _gather_one(gKV, gS, rA, rS, rX, staged, i: cutlass.Constexpr, tok, colt, chunk: cutlass.Constexpr,
-                vec: cutlass.Constexpr):
-    if cutlass.const_expr(staged is not None):
-        kvv = widen_bf16(staged[i, None].load(), vec)
-        scv = widen_bf16(staged[chunk + i, None].load(), vec)
-    else:
-        kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
-        scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
-    for v in cutlass.range_constexpr(vec):
-        rS[i, v] = scv[v] + rA[i, v]
-        rX[i, v] = kvv[v]
-
-
-@cute.jit
-def _invalid(rS, rX, i: cutlass.Constexpr, vec: cutlass.Constexpr):
-    for v in cutlass.range_constexpr(vec):
-        rS[i, v] = -Float32.inf
-        rX[i, v] = Float32(0.0)
 
 
 @cute.jit
@@ -174,17 +107,7 @@ class StreamForward(PoolingKernel):
         n_rows = mOut.shape[0]
         sM, sD, sA = merge_buffers(groups, tile_cols)
 
-        # this thread's ape slice, for every row (zeros past the window end)
-        gA = cute.zipped_divide(mApe, (1, vec))
-        rA = cute.make_rmem_tensor((chunk, vec), Float32)
-        rA.fill(0.0)
-        if active:
-            for i in cutlass.range_constexpr(chunk):
-                _, colt, arow, ok = chunk_position(Int32(0), True, cv, k0 + i, self.ratio, self.coff, n_vec)
-                if ok:
-                    apv = gA[(0, None), (arow, colt)].load()
-                    for v in cutlass.range_constexpr(vec):
-                        rA[i, v] = apv[v]
+        rA = ape_slice(mApe, active, cv, k0, chunk, self.ratio, self.coff, n_vec, vec)
 
         # Software pipeline over the CTA's rows: the next row is in flight into the other
         # shared-memory stage while this row is reduced; each thread reads only the slots it
@@ -193,21 +116,23 @@ class StreamForward(PoolingKernel):
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
-        t0, lo, hi = row_span(mCu, mCuC, n_seg, row)
+        t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row)
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
         if cutlass.const_expr(staged):
             if row < n_rows and active:
-                self.stage(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0)
+                stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
+                                self.coff, n_vec, vec)
             cute.arch.cp_async_commit_group()
         for it in cutlass.range(rows_per_cta, unroll=1):
             nrow = row + 1
             if nrow >= hi:
-                t0, lo, hi = row_span(mCu, mCuC, n_seg, nrow)
+                t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, nrow)
             nown0, nhas_prev = block_start(t0, nrow - lo, self.ratio, mKV.shape[0])
             slots = None
             if cutlass.const_expr(staged):
                 if it + 1 < rows_per_cta and nrow < n_rows and active:
-                    self.stage(mKV, mS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv, k0)
+                    stage_any_chunk(mKV, mS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv, k0,
+                                    chunk, self.ratio, self.coff, n_vec, vec)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
                 slots = stage_slots(sBuf, it % 2, tidx)
@@ -219,7 +144,7 @@ class StreamForward(PoolingKernel):
                                   n_vec, vec, slots)
                 else:
                     for i in cutlass.range_constexpr(chunk):
-                        _invalid(rS, rX, i, vec)
+                        invalid_position(rS, rX, i, vec)
                 par = it % 2
                 for v in cutlass.range_constexpr(vec):
                     # max over the warp's chunks (exact, so every lane agrees), then sums
@@ -261,14 +186,3 @@ class StreamForward(PoolingKernel):
                             m, d, a = merge_partials(m, d, a, sM[par, g, j], sD[par, g, j], sA[par, g, j], fast)
                         mOut[row, by * tile_cols + j] = (a / d).to(BFloat16)
             row, own0, has_prev = nrow, nown0, nhas_prev
-
-    @cute.jit
-    def stage(self, mKV, mS, slots, own0, has_prev, cv, k0):
-        """Start copying the chunk's valid positions of one row into this thread's slots."""
-        chunk = self.sched.chunk
-        if cutlass.const_expr(self.ratio % chunk == 0):
-            tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, self.ratio, self.coff, self.n_vec)
-            stage_uniform_chunk(mKV, mS, slots, tok, colt, ok, chunk, self.vec)
-        else:
-            stage_chunk(cute.zipped_divide(mKV, (1, self.vec)), cute.zipped_divide(mS, (1, self.vec)), slots,
-                        own0, has_prev, cv, k0, chunk, self.ratio, self.coff, self.n_vec, self.vec)
