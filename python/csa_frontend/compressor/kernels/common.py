@@ -295,10 +295,10 @@ def load_window(
 ):
     """Gather one row's whole window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
 
-    The same gather as ``load_chunk`` over positions ``[0, coff*ratio)``, written with every
-    position known at compile time: routing the window family through ``load_chunk`` cost ~30
-    extra integer instructions per thread (measured in PTX), 6-10% of the nearly compute-bound
-    forward on the H200. ``mKV``/``mS`` are the whole (T, coff*d) inputs (see ``window_view``).
+    The same gather as the stream family's ``gather_scores`` over positions ``[0, coff*ratio)``,
+    written with every position known at compile time: routing the window family through the
+    stream family's per-position gather cost ~30 extra integer instructions per thread
+    (measured in PTX), 6-10% of the nearly compute-bound forward on the H200. ``mKV``/``mS`` are the whole (T, coff*d) inputs (see ``window_view``).
     With ``staged`` (this thread's ``stage_slots``) kv and score come from shared memory,
     where ``stage_window`` copied them; ape still comes from global (L1-resident).
     """
@@ -461,60 +461,12 @@ def chunk_position(own0: Int32, has_prev: cutlass.Boolean, cv: Int32, k: Int32, 
 def stage_chunk(gKV: cute.Tensor, gS: cute.Tensor, slots: cute.Tensor, own0: Int32, has_prev: cutlass.Boolean,
                 cv: Int32, k0: Int32, chunk: cutlass.Constexpr, ratio: cutlass.Constexpr,
                 coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Start copying the valid positions ``load_chunk`` reads into this thread's ``slots``."""
+    """Start copying a chunk's valid positions (``chunk_position``) into this thread's ``slots``."""
     for i in cutlass.range_constexpr(chunk):
         tok, colt, arow, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
         if ok:
             copy_async(gKV[(0, None), (tok, colt)], slots[i, None], vec)
             copy_async(gS[(0, None), (tok, colt)], slots[chunk + i, None], vec)
-
-
-@cute.jit
-def load_chunk(
-    gKV: cute.Tensor,
-    gS: cute.Tensor,
-    gA: cute.Tensor,
-    rS: cute.Tensor,
-    rX: cute.Tensor,
-    own0: Int32,
-    has_prev: cutlass.Boolean,
-    cv: Int32,
-    k0: Int32,
-    chunk: cutlass.Constexpr,
-    ratio: cutlass.Constexpr,
-    coff: cutlass.Constexpr,
-    n_vec: cutlass.Constexpr,
-    vec: cutlass.Constexpr,
-    staged=None,
-):
-    """Gather window positions ``[k0, k0+chunk)`` for the columns ``[cv*vec, cv*vec+vec)``.
-
-    ``rS[i, v]`` = score + ape (fp32) and ``rX[i, v]`` = kv (fp32) for position ``k0 + i``,
-    positions ordered as SPEC section 2; ``gKV``/``gS``/``gA`` are the inputs divided into
-    ``(1, vec)`` tiles, so each access is one ``vec``-wide vector, and ``own0`` is the block's
-    first token. Positions past the window end and the previous block of a segment's first
-    block read nothing and come back as score -inf / kv 0 (zero weight). ``k0`` is a runtime
-    value (the chunk lane's first position); ``load_window`` is the compile-time twin. With
-    ``staged`` (this thread's ``stage_slots``, filled by ``stage_chunk``) kv and score come
-    from shared memory.
-    """
-    for i in cutlass.range_constexpr(chunk):
-        tok, colt, arow, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
-        if ok:
-            if cutlass.const_expr(staged is not None):
-                kvv = staged[i, None].load().to(Float32)
-                scv = staged[chunk + i, None].load().to(Float32)
-            else:
-                kvv = gKV[(0, None), (tok, colt)].load().to(Float32)
-                scv = gS[(0, None), (tok, colt)].load().to(Float32)
-            apv = gA[(0, None), (arow, colt)].load()
-            for v in cutlass.range_constexpr(vec):
-                rS[i, v] = scv[v] + apv[v]
-                rX[i, v] = kvv[v]
-        else:
-            for v in cutlass.range_constexpr(vec):
-                rS[i, v] = -Float32.inf
-                rX[i, v] = Float32(0.0)
 
 
 @cute.jit
@@ -524,87 +476,6 @@ def safe_max(m: Float32) -> Float32:
     if m == -Float32.inf:
         r = Float32(0.0)
     return r
-
-
-@cute.jit
-def _combine(a: Float32, b: Float32, is_max: cutlass.Constexpr) -> Float32:
-    r = a + b
-    if cutlass.const_expr(is_max):
-        r = cute.arch.fmax(a, b)
-    return r
-
-
-@cute.jit
-def reduce_chunks(sPart: cute.Tensor, sGrp: cute.Tensor, sFin: cute.Tensor, tidx: Int32,
-                  n_chunks: cutlass.Constexpr, tile_cols: cutlass.Constexpr,
-                  threads: cutlass.Constexpr, is_max: cutlass.Constexpr):
-    """``sFin[j]`` = max or sum over chunks of ``sPart[c, j]``, computed once per column.
-
-    Two levels in a fixed order: groups of consecutive chunks (in chunk order), then the group
-    results in group order; so the sum is the reference's left-to-right sum re-associated at
-    chunk and group boundaries, and bitwise reproducible. Letting every chunk lane combine all
-    partials itself costs n_chunks times the work (it made the r128 kernels compute-bound).
-    The caller has written ``sPart`` and passed a barrier; this ends with a barrier.
-    """
-    if cutlass.const_expr(threads >= tile_cols):
-        groups = threads // tile_cols
-        per = -(-n_chunks // groups)
-        used = -(-n_chunks // per)
-        g = tidx // tile_cols
-        j = tidx % tile_cols
-        if g < used:
-            acc = sPart[g * per, j]
-            for i in cutlass.range_constexpr(1, per):
-                if g * per + i < n_chunks:
-                    acc = _combine(acc, sPart[g * per + i, j], is_max)
-            sGrp[g, j] = acc
-        cute.arch.sync_threads()
-        if g == 0:
-            acc = sGrp[0, j]
-            for q in cutlass.range_constexpr(1, used):
-                acc = _combine(acc, sGrp[q, j], is_max)
-            sFin[j] = acc
-    else:
-        for q in cutlass.range_constexpr(-(-tile_cols // threads)):
-            j = tidx + q * threads
-            if j < tile_cols:
-                acc = sPart[0, j]
-                for c in cutlass.range_constexpr(1, n_chunks):
-                    acc = _combine(acc, sPart[c, j], is_max)
-                sFin[j] = acc
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def chunk_softmax(rS: cute.Tensor, sPart: cute.Tensor, sGrp: cute.Tensor, sFin: cute.Tensor,
-                  rDen: cute.Tensor, c: Int32, col: Int32, tidx: Int32, chunk: cutlass.Constexpr,
-                  n_chunks: cutlass.Constexpr, vec: cutlass.Constexpr, threads: cutlass.Constexpr):
-    """Turn this thread's chunk of scores ``rS`` into ``exp(s - max)`` with the max of the
-    whole window (exact, as the reference) and fill ``rDen[v]`` with the window's sum of
-    weights (chunk sums combined by ``reduce_chunks``)."""
-    tile_cols = threads // n_chunks * vec
-    for v in cutlass.range_constexpr(vec):
-        m = rS[0, v]
-        for i in cutlass.range_constexpr(1, chunk):
-            m = cute.arch.fmax(m, rS[i, v])
-        sPart[c, col * vec + v] = m
-    cute.arch.sync_threads()
-    reduce_chunks(sPart, sGrp, sFin, tidx, n_chunks, tile_cols, threads, True)
-    for v in cutlass.range_constexpr(vec):
-        ms = safe_max(sFin[col * vec + v])
-        den = Float32(0.0)
-        for i in cutlass.range_constexpr(chunk):
-            e = cute.math.exp(rS[i, v] - ms)
-            rS[i, v] = e
-            if cutlass.const_expr(i == 0):
-                den = e
-            else:
-                den = den + e
-        sPart[c, col * vec + v] = den
-    cute.arch.sync_threads()
-    reduce_chunks(sPart, sGrp, sFin, tidx, n_chunks, tile_cols, threads, False)
-    for v in cutlass.range_constexpr(vec):
-        rDen[v] = sFin[col * vec + v]
 
 
 @cute.jit
