@@ -120,3 +120,17 @@ def test_ape_split_keeps_chains_short(n_slab):
     assert chain <= sch.APE_SLABS_PER_CHAIN or split == sch.APE_REDUCE_WARPS
     if split > 1:  # one split fewer would leave a chain too long
         assert -(-n_slab // (split // 2)) > sch.APE_SLABS_PER_CHAIN
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 2, 128), (256, 2, 4096), (128, 1, 128),
+                                                 (64, 1, 512), (16, 2, 256), (200, 2, 192)])
+def test_stream_forward_widens_only_wide_windows(ratio, coff, head_dim):
+    """512-thread forward CTAs (whole 128-byte lines per warp) only for windows of 32+ chunks;
+    the backward stays at 256 threads (2 CTAs per SM)."""
+    fwd = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    bwd = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    wide = -(-coff * ratio // fwd.chunk) >= sch.STREAM_FWD_WIDE_CHUNKS
+    assert fwd.threads > 256 if wide else fwd.threads <= 256
+    assert bwd.threads <= 256
+    if wide:
+        assert fwd.col_threads * fwd.vec * 2 >= 64  # a warp reads at least half a line per token row
