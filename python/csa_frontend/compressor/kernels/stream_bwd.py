@@ -19,7 +19,8 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, mul_rn, row_span, safe_max,
                      stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .stream_chunks import ape_slice, gather_scores, invalid_position, stage_any_chunk
+from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
+                            warp_chunks_sum)
 
 
 def warp_group_buffers(groups: int, tile_cols: int):
@@ -105,13 +106,7 @@ class StreamBackward(BackwardKernel):
                     g_idx = c // per_warp
                     # (1) window max
                     for v in cutlass.range_constexpr(vec):
-                        m = rS[0, v]
-                        for i in cutlass.range_constexpr(1, chunk):
-                            m = cute.arch.fmax(m, rS[i, v])
-                        dist = ct
-                        while cutlass.const_expr(dist < 32):
-                            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, dist))
-                            dist *= 2
+                        m = warp_chunks_max(rS, v, chunk, ct)
                         if lead:
                             sMax[g_idx, col * vec + v] = m
                     cute.arch.sync_threads()
@@ -128,11 +123,7 @@ class StreamBackward(BackwardKernel):
                             rS[i, v] = e
                             d = d + e
                             t = t + mul_rn(e, mul_rn(rG[v], rX[i, v]))
-                        dist = ct
-                        while cutlass.const_expr(dist < 32):
-                            d = d + cute.arch.shuffle_sync_down(d, dist)
-                            t = t + cute.arch.shuffle_sync_down(t, dist)
-                            dist *= 2
+                        d, t = warp_chunks_sum(d, t, ct)
                         if lead:
                             sDen[g_idx, col * vec + v] = d
                             sT[g_idx, col * vec + v] = t

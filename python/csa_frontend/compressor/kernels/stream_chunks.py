@@ -114,3 +114,30 @@ def invalid_position(rS, rX, i: cutlass.Constexpr, vec: cutlass.Constexpr):
     for v in cutlass.range_constexpr(vec):
         rS[i, v] = -Float32.inf
         rX[i, v] = Float32(0.0)
+
+
+@cute.jit
+def warp_chunks_max(rS: cute.Tensor, v: cutlass.Constexpr, chunk: cutlass.Constexpr,
+                    col_threads: cutlass.Constexpr) -> Float32:
+    """Max of column ``v`` over this thread's chunk and the other chunks of its warp (lanes
+    ``col_threads`` apart). A butterfly of exact maxima, so every lane gets the same value."""
+    m = rS[0, v]
+    for i in cutlass.range_constexpr(1, chunk):
+        m = cute.arch.fmax(m, rS[i, v])
+    dist = col_threads
+    while cutlass.const_expr(dist < 32):
+        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, dist))
+        dist *= 2
+    return m
+
+
+@cute.jit
+def warp_chunks_sum(x: Float32, y: Float32, col_threads: cutlass.Constexpr):
+    """Sums of ``x`` and ``y`` over the chunks of a warp (lanes ``col_threads`` apart), in chunk
+    order down the warp; the warp's first chunk lane holds the results."""
+    dist = col_threads
+    while cutlass.const_expr(dist < 32):
+        x = x + cute.arch.shuffle_sync_down(x, dist)
+        y = y + cute.arch.shuffle_sync_down(y, dist)
+        dist *= 2
+    return x, y

@@ -25,7 +25,8 @@ from cutlass.memory import SmemAllocator
 
 from .common import (PoolingKernel, block_start, can_stage, exp2_approx, fma_rn, row_span, safe_max, stage_buffers,
                      stage_slots)
-from .stream_chunks import ape_slice, gather_scores, invalid_position, stage_any_chunk
+from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
+                            warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
 
 LOG2E = 1.4426950408889634
@@ -149,13 +150,7 @@ class StreamForward(PoolingKernel):
                 for v in cutlass.range_constexpr(vec):
                     # max over the warp's chunks (exact, so every lane agrees), then sums
                     # relative to it, added in chunk order down the warp
-                    m = rS[0, v]
-                    for i in cutlass.range_constexpr(1, chunk):
-                        m = cute.arch.fmax(m, rS[i, v])
-                    dist = ct
-                    while cutlass.const_expr(dist < 32):
-                        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, dist))
-                        dist *= 2
+                    m = warp_chunks_max(rS, v, chunk, ct)
                     ms = safe_max(m)
                     ms_log2e = ms * Float32(LOG2E)
                     d = Float32(0.0)
@@ -164,11 +159,7 @@ class StreamForward(PoolingKernel):
                         e = exp_shifted(rS[i, v], ms, ms_log2e, fast)
                         d = d + e
                         a = a + rX[i, v] * e
-                    dist = ct
-                    while cutlass.const_expr(dist < 32):
-                        d = d + cute.arch.shuffle_sync_down(d, dist)
-                        a = a + cute.arch.shuffle_sync_down(a, dist)
-                        dist *= 2
+                    d, a = warp_chunks_sum(d, a, ct)
                     if c % per_warp == 0:
                         g = c // per_warp
                         sM[par, g, col * vec + v] = m
