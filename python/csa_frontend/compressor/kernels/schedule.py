@@ -107,9 +107,10 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
 #: one row's whole window (n_chunks lanes) for col_threads column slices. Swept on the H200
-#: (benchmark/NOTES.md): the backward is fastest at 16 (it spilled at 32 with 512 threads); the
-#: forward keeps its ape slice in registers too and runs at 32 (at 16: 60 -> 64 registers
-#: saved, but 19% slower from the extra partials).
+#: (benchmark/NOTES.md): the forward runs at 32 (at 16 it fits 64 registers and 4 CTAs per SM
+#: but was 19% slower from the extra partials). The backward stays at 16 (its grad_ape
+#: partials take registers too): at 32, ptxas needs 177 registers for 256 threads (one CTA per
+#: SM) and spills at 512.
 #: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=32,bwd=16".
 STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREAM_CHUNK")
 #: Threads per stream CTA. The forward goes to 512 for windows of 32+ chunks, so that 16
@@ -118,8 +119,9 @@ STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREA
 #: 89 us; at 512, 78 us). Tuning knob, e.g. CSA_FRONTEND_STREAM_THREADS="fwd=256,bwd=256"
 #: (the forward's value is its cap).
 STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 256}, "CSA_FRONTEND_STREAM_THREADS")
-#: Below this many chunks the forward stays at 256 threads (measured: the 16- and 8-chunk
-#: windows of r128 c1 d128 and r64 c1 d512 ran slower in 512-thread CTAs).
+#: Below this many chunks the forward stays at 256 threads (measured at vec 8: the 16-, 8- and
+#: 4-chunk windows of r128 c1 d128, r64 c1 d512 and r16 c2 d256 ran 6-60% slower in 512-thread
+#: CTAs than in 256-thread ones).
 STREAM_FWD_WIDE_CHUNKS = 32
 #: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
 #: flush to zero) instead of libdevice ``expf``. Measured on the H200: r64 c1 d512 43.8 -> 38.4 us,
