@@ -120,7 +120,7 @@ STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREA
 #: (the forward's value is its cap).
 STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 256}, "CSA_FRONTEND_STREAM_THREADS")
 #: Below this many chunks the forward stays at 256 threads (measured at vec 8: the 16-, 8- and
-#: 4-chunk windows of r128 c1 d128, r64 c1 d512 and r16 c2 d256 ran 6-60% slower in 512-thread
+#: 4-chunk windows of r128 c1 d128, r64 c1 d512 and r16 c2 d256 ran 6-48% slower in 512-thread
 #: CTAs than in 256-thread ones).
 STREAM_FWD_WIDE_CHUNKS = 32
 #: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
