@@ -75,3 +75,18 @@ def test_direct_entry_only_replaces_a_plain_positional_function():
     assert dispatch._direct_entry(compiled(inner)) is inner
     for kept in (compiled(None), compiled(inner, pointer_slots=True), SimpleNamespace(), inner):
         assert dispatch._direct_entry(kept) is kept
+
+
+SWEEP_RATIOS = [5, 9, 17, 33, 64, 100, 129, 200, 256]
+SWEEP_HEAD_DIMS = [64, 65, 66, 192, 4096]
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("head_dim", SWEEP_HEAD_DIMS)
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", SWEEP_RATIOS)
+def test_planner_schedules_compile_for_sm90a(ratio, coff, head_dim):
+    """The planner's schedules across window widths (chunks dividing the ratio or not, 256- and
+    512-thread forward CTAs, padded chunk counts) and head dims (vec 4/2/1, 128 column tiles):
+    each compiles for sm_90a, forward and both backwards."""
+    compile_all(ratio, coff, head_dim, "sm_90a")
