@@ -6,11 +6,12 @@ its slice of ``ape`` is loaded into registers once (``ape`` is as many bytes per
 score together: re-reading it per row doubled the traffic into the SMs). Every input element
 is read from DRAM exactly once.
 
-Softmax by partials: each thread reduces its chunk to ``(m, d, a)`` = (chunk max,
-``sum exp(s - m)``, ``sum kv * exp(s - m)``); partials merge pairwise in chunk order (the
-smaller max rescaled by ``exp(m_lo - m_hi)``), first across the chunks of a warp by shuffles,
-then across warps through shared memory, and ``out = a / d`` rounds once to bf16. One barrier
-per row (the partial buffers alternate between rows), and no per-element division. The merge
+Softmax by partials: a warp takes ``m``, the exact max over its chunks (a shuffle butterfly,
+so every lane agrees), and sums ``d = sum exp(s - m)`` and ``a = sum kv * exp(s - m)`` down
+the warp in chunk order. The warps' ``(m, d, a)`` partials merge pairwise in warp order through
+shared memory (the smaller max rescaled by ``exp(m_lo - m_hi)``), and ``out = a / d`` rounds
+once to bf16. One barrier per row (the partial buffers alternate between rows), and no
+per-element division. The merge
 order is fixed, so outputs are bitwise reproducible; they differ from the reference by
 re-association only (tolerance contract, docs/csa_compressor.md).
 
