@@ -321,17 +321,27 @@ def load_window(
 
 
 @cute.jit
+def kv_and_score(gKV: cute.Tensor, gS: cute.Tensor, staged, slot: cutlass.Constexpr, width: cutlass.Constexpr,
+                 tok, colt, vec: cutlass.Constexpr):
+    """kv and score of one window position as fp32 vectors: from this thread's staged slots
+    (kv in row ``slot``, score in row ``width + slot``) or from ``(1, vec)`` tile ``(tok, colt)``
+    of the global views."""
+    if cutlass.const_expr(staged is not None):
+        kvv = widen_bf16(staged[slot, None].load(), vec)
+        scv = widen_bf16(staged[width + slot, None].load(), vec)
+    else:
+        kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
+        scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
+    return kvv, scv
+
+
+@cute.jit
 def gather_position(wKV: cute.Tensor, wS: cute.Tensor, gA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
                     staged, k: cutlass.Constexpr, colt: Int32, arow: cutlass.Constexpr,
                     width: cutlass.Constexpr, vec: cutlass.Constexpr):
     """``rS[k]`` = score + ape, ``rX[k]`` = kv of window row ``k`` (column slice ``colt``), kv
     and score from the staged slots or straight from the window views."""
-    if cutlass.const_expr(staged is not None):
-        kvv = widen_bf16(staged[k, None].load(), vec)
-        scv = widen_bf16(staged[width + k, None].load(), vec)
-    else:
-        kvv = widen_bf16(wKV[(0, None), (k, colt)].load(), vec)
-        scv = widen_bf16(wS[(0, None), (k, colt)].load(), vec)
+    kvv, scv = kv_and_score(wKV, wS, staged, k, width, k, colt, vec)
     apv = gA[(0, None), (arow, colt)].load()
     for v in cutlass.range_constexpr(vec):
         rS[k, v] = scv[v] + apv[v]

@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import chunk_position, copy_async, stage_chunk, widen_bf16
+from .common import chunk_position, copy_async, kv_and_score, stage_chunk
 
 
 @cute.jit
@@ -97,12 +97,7 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
 @cute.jit
 def _gather_one(gKV, gS, rA, rS, rX, staged, i: cutlass.Constexpr, tok, colt, chunk: cutlass.Constexpr,
                 vec: cutlass.Constexpr):
-    if cutlass.const_expr(staged is not None):
-        kvv = widen_bf16(staged[i, None].load(), vec)
-        scv = widen_bf16(staged[chunk + i, None].load(), vec)
-    else:
-        kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
-        scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
+    kvv, scv = kv_and_score(gKV, gS, staged, i, chunk, tok, colt, vec)
     for v in cutlass.range_constexpr(vec):
         rS[i, v] = scv[v] + rA[i, v]
         rX[i, v] = kvv[v]
