@@ -124,13 +124,14 @@ def test_ape_split_keeps_chains_short(n_slab):
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 2, 128), (256, 2, 4096), (128, 1, 128),
                                                  (64, 1, 512), (16, 2, 256), (200, 2, 192)])
-def test_stream_forward_widens_only_wide_windows(ratio, coff, head_dim):
-    """512-thread forward CTAs (whole 128-byte lines per warp) only for windows of 32+ chunks;
-    the backward stays at 256 threads (2 CTAs per SM)."""
+def test_stream_ctas_widen_only_wide_windows(ratio, coff, head_dim):
+    """512-thread CTAs (more columns of each token row per warp) only for windows of
+    STREAM_WIDE_CHUNKS chunks or more, per direction; 256 threads otherwise."""
     fwd = sch.choose_schedule(ratio, coff, head_dim, "fwd")
     bwd = sch.choose_schedule(ratio, coff, head_dim, "bwd")
-    wide = -(-coff * ratio // fwd.chunk) >= sch.STREAM_FWD_WIDE_CHUNKS
-    assert fwd.threads > 256 if wide else fwd.threads <= 256
-    assert bwd.threads <= 256
-    if wide:
+    for sched, direction in ((fwd, "fwd"), (bwd, "bwd")):
+        wide = -(-coff * ratio // sched.chunk) >= sch.STREAM_WIDE_CHUNKS[direction]
+        assert sched.threads > 256 if wide else sched.threads <= 256
+    assert bwd.threads > 256 if coff * ratio >= 256 else bwd.threads <= 256
+    if -(-coff * ratio // fwd.chunk) >= sch.STREAM_WIDE_CHUNKS["fwd"]:
         assert fwd.col_threads * fwd.vec * 2 >= 64  # a warp reads at least half a line per token row

@@ -113,20 +113,27 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
 #: SM) and spills at 512.
 #: Tuning knob for experiments, e.g. CSA_FRONTEND_STREAM_CHUNK="fwd=32,bwd=16".
 STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREAM_CHUNK")
-#: Threads per stream CTA. The forward goes to 512 for windows of 32+ chunks, so that 16
-#: column threads read a whole 128-byte line of every token row (at 256, 8 threads read half a
-#: line: ncu on the H200 showed the L2 81% busy at 61% of DRAM bandwidth for r128 c2 d512,
-#: 89 us; at 512, 78 us). Tuning knob, e.g. CSA_FRONTEND_STREAM_THREADS="fwd=256,bwd=256"
-#: (the forward's value is its cap).
-STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 256}, "CSA_FRONTEND_STREAM_THREADS")
-#: Below this many chunks the forward stays at 256 threads (measured at vec 8: the 16-, 8- and
-#: 4-chunk windows of r128 c1 d128, r64 c1 d512 and r16 c2 d256 ran 6-48% slower in 512-thread
-#: CTAs than in 256-thread ones).
-STREAM_FWD_WIDE_CHUNKS = 32
+#: Threads per stream CTA, per direction: the cap, used for windows of at least
+#: STREAM_WIDE_CHUNKS chunks (smaller windows take 256). Wider CTAs give a warp more columns of
+#: each token row. Forward: at 512, 16 column threads read a whole 128-byte line (at 256, 8
+#: threads read half a line: ncu on the H200 showed the L2 81% busy at 61% of DRAM bandwidth
+#: for r128 c2 d512, 89 us; at 512, 78 us). Backward: at 512 (one CTA of 128 registers per
+#: SM), 32 -> 64 bytes per token row per warp (ncu: L2 tag lookups 83% -> 47% busy; r128 c2
+#: d512 210.9 -> 203.2 us, 1x131072 425.1 -> 394.5 us, 1x8192 d128 16.2 -> 14.8 us).
+#: Tuning knob, e.g. CSA_FRONTEND_STREAM_THREADS="fwd=256,bwd=256".
+STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 512}, "CSA_FRONTEND_STREAM_THREADS")
+#: Windows of fewer chunks stay at 256 threads. Measured on the H200: the forward's 16-, 8- and
+#: 4-chunk windows (r128 c1 d128, r64 c1 d512, r16 c2 d256) ran 6-48% slower at 512 threads,
+#: the backward's 32-, 16- and 8-chunk windows 1-54% slower (r64 c1 d512 92.4 -> 142.5 us).
+STREAM_WIDE_CHUNKS = {"fwd": 32, "bwd": 64}
 #: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
 #: flush to zero) instead of libdevice ``expf``. Measured on the H200: r64 c1 d512 43.8 -> 38.4 us,
 #: r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract holds (GPU tests).
 STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
+#: Stream backward: ``ex2.approx`` exp, ``rcp.approx`` weights (``p = e * (1/den)``) and
+#: unpinned products (ptxas may contract them into FMAs) instead of libdevice ``expf``, correctly
+#: rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
+STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us), not coff 2
@@ -151,7 +158,7 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     # Both directions reduce the chunks of a warp by shuffles: col_threads is a power of two and
     # the chunk count is padded (with empty chunks) to whole warps.
     threads = STREAM_CTA_THREADS[direction]
-    if direction == "fwd" and n_chunks < STREAM_FWD_WIDE_CHUNKS:
+    if n_chunks < STREAM_WIDE_CHUNKS[direction]:
         threads = min(256, threads)
     col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
     per_warp = max(1, 32 // col_threads)

@@ -14,20 +14,59 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, mul_rn, row_span, safe_max,
+from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, row_span, safe_max,
                      stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
-                            warp_chunks_sum)
+from .schedule import STREAM_BWD_FAST_MATH
+from .stream_chunks import (ape_slice, exp_relative, gather_scores, invalid_position, product, stage_any_chunk,
+                            warp_chunks_max, warp_chunks_sum)
 
 
-def warp_group_buffers(groups: int, tile_cols: int):
-    """Shared per-warp partials (max, den, T): warp groups x the tile's columns."""
+def warp_group_buffers(groups: int, col_threads: int, vec: int):
+    """Shared per-warp partials (max, den, T): warp groups x column threads x ``vec``, so one
+    thread's ``vec`` values are one vector access and a warp's accesses are conflict-free."""
     smem = SmemAllocator()
-    layout = cute.make_layout((groups, tile_cols), stride=(tile_cols, 1))
+    layout = cute.make_layout((groups, col_threads, vec), stride=(col_threads * vec, vec, 1))
     return tuple(smem.allocate_tensor(Float32, layout, 16) for _ in range(3))
+
+
+@cute.jit
+def combine_groups(sX: cute.Tensor, rOut: cute.Tensor, col: Int32, lane_chunk: Int32, groups: cutlass.Constexpr,
+                   per_warp: cutlass.Constexpr, col_threads: cutlass.Constexpr, vec: cutlass.Constexpr,
+                   is_max: cutlass.Constexpr):
+    """``rOut[v]`` = max or sum over the warp groups' partials of column ``(col, v)``.
+
+    The chunk lanes of a warp share the work: lane ``j`` combines groups ``j*n, ..., j*n+n-1``
+    (``n = ceil(groups / per_warp)``) in order, then a butterfly over the lanes finishes. Both
+    ``max`` and ``+`` are commutative, so every lane (and every warp) ends with the same bits.
+    """
+    per_lane = -(-groups // per_warp)
+    whole = per_lane * per_warp == groups  # every lane has per_lane groups: start from the first
+    if cutlass.const_expr(not whole):
+        for v in cutlass.range_constexpr(vec):
+            rOut[v] = -Float32.inf if cutlass.const_expr(is_max) else Float32(0.0)
+    for q in cutlass.range_constexpr(per_lane):
+        g = lane_chunk * per_lane + q
+        if cutlass.const_expr(whole) or g < groups:
+            x = sX[g, col, None].load()
+            for v in cutlass.range_constexpr(vec):
+                if cutlass.const_expr(whole and q == 0):
+                    rOut[v] = x[v]
+                elif cutlass.const_expr(is_max):
+                    rOut[v] = cute.arch.fmax(rOut[v], x[v])
+                else:
+                    rOut[v] = rOut[v] + x[v]
+    dist = col_threads
+    while cutlass.const_expr(dist < 32):
+        for v in cutlass.range_constexpr(vec):
+            y = cute.arch.shuffle_sync_bfly(rOut[v], dist)
+            if cutlass.const_expr(is_max):
+                rOut[v] = cute.arch.fmax(rOut[v], y)
+            else:
+                rOut[v] = rOut[v] + y
+        dist *= 2
 
 
 class StreamBackward(BackwardKernel):
@@ -39,6 +78,7 @@ class StreamBackward(BackwardKernel):
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio
         ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
+        fast = STREAM_BWD_FAST_MATH
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         col = tidx % ct
@@ -54,8 +94,7 @@ class StreamBackward(BackwardKernel):
             threads = self.sched.threads
             per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
             groups = n_chunks // per_warp
-            tile_cols = ct * vec
-            sMax, sDen, sT = warp_group_buffers(groups, tile_cols)
+            sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
             rA = ape_slice(mApe, col_ok, cv, k0, chunk, ratio, coff, n_vec, vec)
             rPart = cute.make_rmem_tensor((chunk, vec), Float32)
             rPart.fill(0.0)
@@ -104,44 +143,57 @@ class StreamBackward(BackwardKernel):
                             invalid_position(rS, rX, i, vec)
                     lead = c % per_warp == 0
                     g_idx = c // per_warp
-                    # (1) window max
+                    lane_chunk = c % per_warp
+                    rM = cute.make_rmem_tensor((vec,), Float32)
+                    # (1) window max: over the thread's chunk, the warp's chunks, then the groups
                     for v in cutlass.range_constexpr(vec):
-                        m = warp_chunks_max(rS, v, chunk, ct)
-                        if lead:
-                            sMax[g_idx, col * vec + v] = m
+                        rM[v] = warp_chunks_max(rS, v, chunk, ct)
+                    if lead:
+                        sMax[g_idx, col, None].store(rM.load())
                     cute.arch.sync_threads()
-                    # (2) e, den and T = sum e * (g * kv)
+                    combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
+                    # (2) e, den and T = sum e * dp with dp = g * kv (kept in rX for the gradients)
+                    rD = cute.make_rmem_tensor((vec,), Float32)
+                    rT = cute.make_rmem_tensor((vec,), Float32)
                     for v in cutlass.range_constexpr(vec):
-                        m = sMax[0, col * vec + v]
-                        for q in cutlass.range_constexpr(1, groups):
-                            m = cute.arch.fmax(m, sMax[q, col * vec + v])
-                        ms = safe_max(m)
+                        ms = safe_max(rM[v])
                         d = Float32(0.0)
                         t = Float32(0.0)
                         for i in cutlass.range_constexpr(chunk):
-                            e = cute.math.exp(rS[i, v] - ms)
+                            e = exp_relative(rS[i, v] - ms, fast)
+                            dp = product(rG[v], rX[i, v], fast)
                             rS[i, v] = e
+                            rX[i, v] = dp
                             d = d + e
-                            t = t + mul_rn(e, mul_rn(rG[v], rX[i, v]))
-                        d, t = warp_chunks_sum(d, t, ct)
-                        if lead:
-                            sDen[g_idx, col * vec + v] = d
-                            sT[g_idx, col * vec + v] = t
+                            t = t + product(e, dp, fast)
+                        rD[v], rT[v] = warp_chunks_sum(d, t, ct)
+                    if lead:
+                        sDen[g_idx, col, None].store(rD.load())
+                        sT[g_idx, col, None].store(rT.load())
                     cute.arch.sync_threads()
+                    combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
+                    combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
+                    # (3) p = e / den, S = T / den, and the gradients in the reference's order
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     for v in cutlass.range_constexpr(vec):
-                        den = sDen[0, col * vec + v]
-                        tsum = sT[0, col * vec + v]
-                        for q in cutlass.range_constexpr(1, groups):
-                            den = den + sDen[q, col * vec + v]
-                            tsum = tsum + sT[q, col * vec + v]
-                        ssum = tsum / den
-                        rcp = Float32(1.0) / den
+                        den = rD[v]
                         g = rG[v]
+                        rcp = Float32(0.0)
+                        ssum = Float32(0.0)
+                        if cutlass.const_expr(fast):
+                            rcp = cute.arch.rcp_approx(den)
+                            ssum = rT[v] * rcp
+                        else:
+                            rcp = Float32(1.0) / den
+                            ssum = rT[v] / den
                         for i in cutlass.range_constexpr(chunk):
-                            p = div_exact(rS[i, v], den, rcp)
-                            gs = mul_rn(p, mul_rn(g, rX[i, v])) - mul_rn(p, ssum)
+                            p = Float32(0.0)
+                            if cutlass.const_expr(fast):
+                                p = rS[i, v] * rcp
+                            else:
+                                p = div_exact(rS[i, v], den, rcp)
+                            gs = product(rX[i, v] - ssum, p, fast)
                             # an invalid position's gs is 0 - 0*S: NaN when S is; keep it out
                             if cutlass.const_expr(coff == 2):
                                 if k0 + i >= ratio or has_prev:
@@ -149,7 +201,7 @@ class StreamBackward(BackwardKernel):
                             else:
                                 rPart[i, v] = rPart[i, v] + gs
                             rGS[i, v] = gs.to(BFloat16)
-                            rGKV[i, v] = mul_rn(g, p).to(BFloat16)
+                            rGKV[i, v] = product(g, p, fast).to(BFloat16)
                     if col_ok:
                         for i in cutlass.range_constexpr(chunk):
                             k = k0 + i

@@ -11,7 +11,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import chunk_position, copy_async, kv_and_score, stage_chunk
+from .common import chunk_position, copy_async, exp2_approx, kv_and_score, mul_rn, stage_chunk
+
+LOG2E = 1.4426950408889634
 
 
 @cute.jit
@@ -136,3 +138,27 @@ def warp_chunks_sum(x: Float32, y: Float32, col_threads: cutlass.Constexpr):
         y = y + cute.arch.shuffle_sync_down(y, dist)
         dist *= 2
     return x, y
+
+
+@cute.jit
+def exp_relative(x: Float32, fast: cutlass.Constexpr) -> Float32:
+    """``exp(x)`` for ``x = s - max <= 0``: libdevice ``expf``, or with ``fast`` ``ex2.approx`` of
+    ``x * log2(e)`` (the subtraction first, as the reference, so the error scales with the
+    spread of the window's scores, not with their offset)."""
+    r = Float32(0.0)
+    if cutlass.const_expr(fast):
+        r = exp2_approx(x * Float32(LOG2E))
+    else:
+        r = cute.math.exp(x)
+    return r
+
+
+@cute.jit
+def product(a: Float32, b: Float32, fast: cutlass.Constexpr) -> Float32:
+    """``a * b``: pinned (never contracted into a neighbouring add) unless ``fast``."""
+    r = Float32(0.0)
+    if cutlass.const_expr(fast):
+        r = a * b
+    else:
+        r = mul_rn(a, b)
+    return r

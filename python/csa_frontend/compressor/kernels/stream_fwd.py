@@ -26,11 +26,9 @@ from cutlass.memory import SmemAllocator
 
 from .common import (PoolingKernel, block_start, can_stage, exp2_approx, fma_rn, row_span, safe_max, stage_buffers,
                      stage_slots)
-from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
+from .stream_chunks import (LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
-
-LOG2E = 1.4426950408889634
 
 
 @cute.jit
