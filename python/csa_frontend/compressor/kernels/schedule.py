@@ -136,9 +136,10 @@ STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
 STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
-#: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us), not coff 2
-#: (r128 c2 d512 92.9 -> 88.0 us without it).
-STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 0}, "CSA_FRONTEND_STREAM_FWD_STAGED")
+#: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the
+#: 512-thread CTAs, coff 2 (1x65536 r128 c2 d512 78.4 -> 68.5 us, r16 c2 d256 22.6 -> 22.0 us; at
+#: 256 threads it had cost r128 c2 d512 88.0 -> 92.9 us).
+STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 1}, "CSA_FRONTEND_STREAM_FWD_STAGED")
 
 
 def _floor_pow2(n: int) -> int:
