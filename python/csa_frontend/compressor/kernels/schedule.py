@@ -125,7 +125,8 @@ STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 512}, "CSA_FRONTEND_STRE
 #: Windows of fewer chunks stay at 256 threads. Measured on the H200: the forward's 16-, 8- and
 #: 4-chunk windows (r128 c1 d128, r64 c1 d512, r16 c2 d256) ran 6-48% slower at 512 threads,
 #: the backward's 32-, 16- and 8-chunk windows 1-54% slower (r64 c1 d512 92.4 -> 142.5 us).
-STREAM_WIDE_CHUNKS = {"fwd": 32, "bwd": 64}
+#: Tuning knob, e.g. CSA_FRONTEND_STREAM_WIDE_CHUNKS="fwd=32,bwd=64".
+STREAM_WIDE_CHUNKS = _per_direction({"fwd": 32, "bwd": 64}, "CSA_FRONTEND_STREAM_WIDE_CHUNKS")
 #: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
 #: flush to zero) instead of libdevice ``expf``. Measured on the H200: r64 c1 d512 43.8 -> 38.4 us,
 #: r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract holds (GPU tests).
