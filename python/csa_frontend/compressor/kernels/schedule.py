@@ -127,13 +127,14 @@ STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 512}, "CSA_FRONTEND_STRE
 #: the backward's 32-, 16- and 8-chunk windows 1-54% slower (r64 c1 d512 92.4 -> 142.5 us).
 #: Tuning knob, e.g. CSA_FRONTEND_STREAM_WIDE_CHUNKS="fwd=32,bwd=64".
 STREAM_WIDE_CHUNKS = _per_direction({"fwd": 32, "bwd": 64}, "CSA_FRONTEND_STREAM_WIDE_CHUNKS")
-#: Stream forward: exp by ``ex2.approx.f32`` (one FMA folds the max and log2(e); 2 ulp, no
-#: flush to zero) instead of libdevice ``expf``. Measured on the H200: r64 c1 d512 43.8 -> 38.4 us,
-#: r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract holds (GPU tests).
+#: Stream forward: exp by ``ex2.approx`` (one FMA folds the max and log2(e), then
+#: ``exp2_half_squared``: ~4 ulp, no flush to zero) instead of libdevice ``expf``. Measured on the
+#: H200: r64 c1 d512 43.8 -> 38.4 us, r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract
+#: holds (GPU tests).
 STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
-#: Stream backward: ``ex2.approx`` exp, ``rcp.approx`` weights (``p = e * (1/den)``) and
-#: unpinned products (ptxas may contract them into FMAs) instead of libdevice ``expf``, correctly
-#: rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
+#: Stream backward: ``ex2.approx`` exp (``exp2_half_squared``), ``rcp.approx`` weights
+#: (``p = e * (1/den)``) and unpinned products (ptxas may contract them into FMAs) instead of
+#: libdevice ``expf``, correctly rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
 STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".

@@ -17,11 +17,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, div_exact, row_span, safe_max,
-                     stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
+                     safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
 from .schedule import STREAM_BWD_FAST_MATH
-from .stream_chunks import (ape_slice, exp_relative, gather_scores, invalid_position, product, stage_any_chunk,
-                            warp_chunks_max, warp_chunks_sum)
+from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
+                            stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
 
 def warp_group_buffers(groups: int, col_threads: int, vec: int):
@@ -194,31 +194,18 @@ class StreamBackward(BackwardKernel):
                             else:
                                 p = div_exact(rS[i, v], den, rcp)
                             gs = product(rX[i, v] - ssum, p, fast)
-                            # an invalid position's gs is 0 - 0*S: NaN when S is; keep it out
                             if cutlass.const_expr(coff == 2):
-                                if k0 + i >= ratio or has_prev:
-                                    rPart[i, v] = rPart[i, v] + gs
+                                # an invalid (previous-block) position's gs is (0 - S) * 0: NaN when S
+                                # is, so it is kept out by a select (a branch here would carry every
+                                # partial through it)
+                                keep = k0 + i >= ratio or has_prev
+                                rPart[i, v] = Float32(cutlass.select_(keep, rPart[i, v] + gs, rPart[i, v]))
                             else:
                                 rPart[i, v] = rPart[i, v] + gs
                             rGS[i, v] = gs.to(BFloat16)
                             rGKV[i, v] = product(g, p, fast).to(BFloat16)
                     if col_ok:
-                        for i in cutlass.range_constexpr(chunk):
-                            k = k0 + i
-                            if k < width:
-                                tok = own0 + k
-                                colt = cv
-                                ok = blk >= 0
-                                if cutlass.const_expr(coff == 2):
-                                    if k < ratio:
-                                        tok = own0 - ratio + k
-                                        ok = has_prev
-                                    else:
-                                        tok = own0 + k - ratio
-                                        colt = cv + n_vec
-                                if ok:
-                                    gGKV[(0, None), (tok, colt)].store(rGKV[i, None].load())
-                                    gGS[(0, None), (tok, colt)].store(rGS[i, None].load())
+                        self.store_gradients(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0)
                         if blk == n_blk - 1:
                             if cutlass.const_expr(coff == 2):
                                 # first-half columns of the last block's own tokens (coff=1: one half)
@@ -241,6 +228,27 @@ class StreamBackward(BackwardKernel):
             zb = bx - row_groups
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, c, n_chunks, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
+
+    @cute.jit
+    def store_gradients(self, mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, own_ok, cv, k0):
+        """Store this thread's chunk of grad_kv and grad_score for one row. A chunk inside one
+        window half (``chunk`` divides ``ratio``) is consecutive tokens of one column slice: one
+        validity test and one base address; other chunks go position by position."""
+        ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
+        if cutlass.const_expr(ratio % chunk == 0):
+            tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
+            if ok and own_ok:
+                wGKV = chunk_view(mGKV, tok, vec)
+                wGS = chunk_view(mGS, tok, vec)
+                for i in cutlass.range_constexpr(chunk):
+                    wGKV[(0, None), (i, colt)].store(rGKV[i, None].load())
+                    wGS[(0, None), (i, colt)].store(rGS[i, None].load())
+        else:
+            for i in cutlass.range_constexpr(chunk):
+                tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)
+                if ok and own_ok:
+                    gGKV[(0, None), (tok, colt)].store(rGKV[i, None].load())
+                    gGS[(0, None), (tok, colt)].store(rGS[i, None].load())
 
     @cute.jit
     def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv, k0):

@@ -11,9 +11,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import chunk_position, copy_async, exp2_approx, kv_and_score, mul_rn, stage_chunk
+from .common import chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk
 
 LOG2E = 1.4426950408889634
+HALF_LOG2E = 0.5 * LOG2E  # exp2_half_squared takes half the exponent
 
 
 @cute.jit
@@ -147,7 +148,7 @@ def exp_relative(x: Float32, fast: cutlass.Constexpr) -> Float32:
     spread of the window's scores, not with their offset)."""
     r = Float32(0.0)
     if cutlass.const_expr(fast):
-        r = exp2_approx(x * Float32(LOG2E))
+        r = exp2_half_squared(x * Float32(HALF_LOG2E))
     else:
         r = cute.math.exp(x)
     return r

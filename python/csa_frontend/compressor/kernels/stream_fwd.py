@@ -24,20 +24,20 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, can_stage, exp2_approx, fma_rn, row_span, safe_max, stage_buffers,
-                     stage_slots)
-from .stream_chunks import (LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
-                            warp_chunks_sum)
+from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, fma_rn, row_span, safe_max,
+                     stage_buffers, stage_slots)
+from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
+                            warp_chunks_max, warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
 
 
 @cute.jit
-def exp_shifted(s: Float32, m: Float32, m_log2e: Float32, fast: cutlass.Constexpr) -> Float32:
-    """``exp(s - m)``: libdevice ``expf``, or with ``fast`` one FMA and ``ex2.approx``
-    (``m_log2e`` = ``m * log2(e)``)."""
+def exp_shifted(s: Float32, m: Float32, m_scaled: Float32, fast: cutlass.Constexpr) -> Float32:
+    """``exp(s - m)``: libdevice ``expf``, or with ``fast`` one FMA and ``exp2_half_squared``
+    (``m_scaled`` = ``m * log2(e) / 2``, once per column)."""
     r = Float32(0.0)
     if cutlass.const_expr(fast):
-        r = exp2_approx(fma_rn(s, Float32(LOG2E), -m_log2e))
+        r = exp2_half_squared(fma_rn(s, Float32(HALF_LOG2E), -m_scaled))
     else:
         r = cute.math.exp(s - m)
     return r
@@ -51,7 +51,7 @@ def merge_partials(m1: Float32, d1: Float32, a1: Float32, m2: Float32, d2: Float
     partial's sums stays NaN, as in the reference."""
     hi = cute.arch.fmax(m1, m2)
     top = safe_max(hi)
-    f = exp_shifted(cute.arch.fmin(m1, m2), top, top * Float32(LOG2E), fast)
+    f = exp_shifted(cute.arch.fmin(m1, m2), top, top * Float32(HALF_LOG2E), fast)
     s1 = Float32(1.0)
     s2 = f
     if m1 < m2:
@@ -151,11 +151,11 @@ class StreamForward(PoolingKernel):
                     # relative to it, added in chunk order down the warp
                     m = warp_chunks_max(rS, v, chunk, ct)
                     ms = safe_max(m)
-                    ms_log2e = ms * Float32(LOG2E)
+                    ms_scaled = ms * Float32(HALF_LOG2E)
                     d = Float32(0.0)
                     a = Float32(0.0)
                     for i in cutlass.range_constexpr(chunk):
-                        e = exp_shifted(rS[i, v], ms, ms_log2e, fast)
+                        e = exp_shifted(rS[i, v], ms, ms_scaled, fast)
                         d = d + e
                         a = a + rX[i, v] * e
                     d, a = warp_chunks_sum(d, a, ct)
