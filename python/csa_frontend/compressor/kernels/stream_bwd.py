@@ -1,13 +1,17 @@
 """Stream-family backward: a CTA walks ``rows_per_cta`` rows, each row's window split in chunks.
 
-Per row, two barriers: (1) the window max, as shuffle maxima over a warp's chunks then over
-the warps through shared memory (exact, so every thread holds the same max and
-``e = exp(s - max)`` is the reference's); (2) ``den = sum e`` and ``T = sum e * g * kv``, summed
-down each warp in chunk order and over the warps in warp order. Then ``S = T / den`` and each
-thread forms ``p = e / den`` (correctly rounded) and the gradients of its own positions in the
-reference's operation order. A thread owns fixed window positions and columns across all the
-CTA's rows, so its ape slice and its grad_ape partials stay in registers; the partials go to
-this row group's slab, which ``ape_reduce`` sums in order. Zero-filling follows the
+Per row, two barriers: (1) the window max, as shuffle maxima over a warp's chunks, then over
+the warps' maxima in shared memory (exact, so every thread holds the same max); (2)
+``den = sum e`` and ``T = sum e * dp`` with ``dp = g * kv``, summed down each warp in chunk order
+and then over the warps. The warps' partials sit in shared memory as ``[group, column thread,
+vec]`` and the chunk lanes of each warp split the groups between them and finish with a
+butterfly (``combine_groups``): fixed orders, so the bits are reproducible. Then ``S = T / den``,
+``p = e / den`` and the gradients ``gs = (dp - S) * p``, ``gkv = g * p`` of the thread's own
+positions. Arithmetic: ``ex2.approx`` exp, ``rcp.approx`` weights and contractible products by
+default (``STREAM_BWD_FAST_MATH``; the tolerance contract), else libdevice ``expf``, correctly
+rounded weights and pinned products. A thread owns fixed window positions and columns across
+all the CTA's rows, so its ape slice and its grad_ape partials stay in registers; the partials
+go to this row group's slab, which ``ape_reduce`` sums in order. Zero-filling follows the
 register-window backward.
 """
 from __future__ import annotations
