@@ -16,36 +16,33 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 
-@dsl_user_op
-def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """``a * b`` rounded once, never fused into a neighbouring add."""
+def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
+    """One fp32 PTX instruction ``instruction $0, $1, ...`` on ``args``, as inline assembly
+    (so ptxas cannot contract, reorder into, or substitute it)."""
+    operands = ", ".join(f"${i}" for i in range(len(args) + 1))
     return Float32(
         llvm.inline_asm(
             T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.f32 $0, $1, $2;",
-            "=f,f,f",
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in args],
+            f"{instruction} {operands};",
+            ",".join(["=f"] + ["f"] * len(args)),
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """``a * b`` rounded once, never fused into a neighbouring add."""
+    return _ptx_f32("mul.rn.f32", (a, b), loc, ip)
 
 
 @dsl_user_op
 def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
     """``a * b + c`` with one rounding."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c)],
-            "fma.rn.f32 $0, $1, $2, $3;",
-            "=f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _ptx_f32("fma.rn.f32", (a, b, c), loc, ip)
 
 
 @dsl_user_op
@@ -58,17 +55,7 @@ def exp2_half_squared(a_half, *, loc=None, ip=None) -> Float32:
     flushed), so subnormal results are kept and 2**x for ``x < -252`` is 0 as in fp32 anyway.
     Error about twice the MUFU's (~4 ulp).
     """
-    h = Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a_half).ir_value(loc=loc, ip=ip)],
-            "ex2.approx.ftz.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    h = _ptx_f32("ex2.approx.ftz.f32", (a_half,), loc, ip)
     return mul_rn(h, h, loc=loc, ip=ip)
 
 
