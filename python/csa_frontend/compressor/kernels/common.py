@@ -242,6 +242,15 @@ def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
 
 
 @cute.jit
+def span_at(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, t0: Int32, lo: Int32, hi: Int32):
+    """A ``row_span`` cursor (first token, first row, end row) moved on to ``row``, the row after
+    the last: a lookup only when ``row`` leaves the segment."""
+    if row >= hi:
+        t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row)
+    return t0, lo, hi
+
+
+@cute.jit
 def widen_bf16(x: cute.TensorSSA, vec: cutlass.Constexpr) -> cute.TensorSSA:
     """A ``vec``-wide bf16 vector as fp32 (exact: bf16 is the top half of an fp32).
 
@@ -349,16 +358,16 @@ def can_stage(vec: int) -> bool:
     return vec >= 2
 
 
-def stage_buffers(width: int, threads: int, vec: int, extra: int = 0):
-    """Two pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
+def stage_buffers(width: int, threads: int, vec: int, extra: int = 0, stages: int = 2):
+    """``stages`` pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
     ``width`` score rows (+ ``extra`` more rows, e.g. grad_out) of ``vec`` elements per thread.
     Thread-major within a row, so a warp's accesses to one row are consecutive (no bank
     conflicts)."""
     rows = 2 * width + extra
     smem = SmemAllocator()
     return smem.allocate_tensor(
-        BFloat16, cute.make_layout((2, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)),
-        16)
+        BFloat16,
+        cute.make_layout((stages, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)), 16)
 
 
 @cute.jit
@@ -473,6 +482,17 @@ def stage_chunk(gKV: cute.Tensor, gS: cute.Tensor, slots: cute.Tensor, own0: Int
         if ok:
             copy_async(gKV[(0, None), (tok, colt)], slots[i, None], vec)
             copy_async(gS[(0, None), (tok, colt)], slots[chunk + i, None], vec)
+        else:
+            stage_invalid(slots, i, chunk, vec)
+
+
+@cute.jit
+def stage_invalid(slots: cute.Tensor, i: cutlass.Constexpr, width: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Slot ``i`` of a position outside the window or the pack: kv 0 and score -inf (zero weight)
+    stored into the thread's own slots, so the gather from them needs no per-position test
+    (a test there made every value carry a default through a branch)."""
+    slots[i, None].store(cute.full((vec,), 0.0, BFloat16))
+    slots[width + i, None].store(cute.full((vec,), -float("inf"), BFloat16))
 
 
 @cute.jit

@@ -64,6 +64,7 @@ class Schedule:
     row_lanes: int  # window family: threads across output rows; stream family: window chunks
     col_tiles: int  # CTAs across head_dim
     chunk: int = 0  # stream family: window positions per thread
+    stages: int = 2  # stream family: rows in flight through the shared-memory pipeline
 
     @property
     def threads(self) -> int:
@@ -144,6 +145,11 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 1}, "CSA_FRONTEND_STREAM_FWD_STAGED")
 
 
+#: Stream kernels: cp.async pipeline stages (rows staged ahead of the one being computed + 1).
+#: Tuning knob, e.g. CSA_FRONTEND_STREAM_STAGES="fwd=2,bwd=3".
+STREAM_STAGES = _per_direction({"fwd": 2, "bwd": 2}, "CSA_FRONTEND_STREAM_STAGES")
+
+
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -167,7 +173,7 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     per_warp = max(1, 32 // col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
-    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
+    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, STREAM_STAGES[direction])
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
@@ -214,7 +220,7 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
 #: grad_ape slab reduction: warps per CTA, and slabs one warp chain sums before the slab axis
 #: is split over more warps.
 APE_REDUCE_WARPS = 16
-APE_SLABS_PER_CHAIN = 32
+APE_SLABS_PER_CHAIN = int(os.environ.get("CSA_FRONTEND_APE_CHAIN", "32"))
 
 
 def ape_split(n_slab: int) -> int:

@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk
+from .common import chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk, stage_invalid
 
 LOG2E = 1.4426950408889634
 HALF_LOG2E = 0.5 * LOG2E  # exp2_half_squared takes half the exponent
@@ -67,6 +67,9 @@ def stage_uniform_chunk(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, t
         for i in cutlass.range_constexpr(chunk):
             copy_async(wKV[(0, None), (i, colt)], slots[i, None], vec)
             copy_async(wS[(0, None), (i, colt)], slots[chunk + i, None], vec)
+    else:
+        for i in cutlass.range_constexpr(chunk):
+            stage_invalid(slots, i, chunk, vec)
 
 
 @cute.jit
@@ -75,9 +78,14 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
                   ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr,
                   vec: cutlass.Constexpr, staged):
     """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
-    positions; invalid positions get -inf / 0. Chunks inside one window half (``chunk`` divides
-    ``ratio``) take one validity test and one base address; others go position by position."""
-    if cutlass.const_expr(ratio % chunk == 0):
+    positions; invalid positions get -inf / 0. Staged, the slots already hold those (the staging
+    wrote them, ``stage_invalid``): no test at all. From global memory, chunks inside one window
+    half (``chunk`` divides ``ratio``) take one validity test and one base address; others go
+    position by position."""
+    if cutlass.const_expr(staged is not None):
+        for i in cutlass.range_constexpr(chunk):
+            _gather_one(mKV, mS, rA, rS, rX, staged, i, None, None, chunk, vec)
+    elif cutlass.const_expr(ratio % chunk == 0):
         tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
         wKV = chunk_view(mKV, tok, vec)
         wS = chunk_view(mS, tok, vec)
