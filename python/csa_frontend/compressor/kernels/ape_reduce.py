@@ -17,6 +17,7 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .schedule import APE_REDUCE_WARPS as WARPS
+from .schedule import PDL
 
 
 class ApeReduce:
@@ -31,11 +32,15 @@ class ApeReduce:
         n = mGApe.shape[0]
         per_cta = 32 * WARPS // split
         self.kernel(mSlab, mGApe, split).launch(
-            grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream
+            grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=PDL
         )
 
     @cute.kernel
     def kernel(self, mSlab, mGApe, split):
+        if cutlass.const_expr(PDL):
+            # launched early (programmatic dependent launch): the slabs are complete only once
+            # the backward grid has finished
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         w = tidx // 32

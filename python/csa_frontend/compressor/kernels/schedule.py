@@ -217,6 +217,10 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
     return max(1, -(-n_segments // sched.row_lanes))
 
 
+#: Programmatic dependent launch of the grad_ape slab reduction: the backward kernel lets it
+#: launch at once and it waits (``griddepcontrol.wait``) for the backward grid to finish and
+#: flush, so its launch latency hides behind the backward. Tuning knob (A/B), CSA_FRONTEND_PDL=0.
+PDL = os.environ.get("CSA_FRONTEND_PDL", "1") == "1"
 #: grad_ape slab reduction: warps per CTA, and slabs one warp chain sums before the slab axis
 #: is split over more warps.
 APE_REDUCE_WARPS = 16

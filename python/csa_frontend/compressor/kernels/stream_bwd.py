@@ -23,7 +23,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, span_at, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_FAST_MATH
+from .schedule import PDL, STREAM_BWD_FAST_MATH
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -79,6 +79,8 @@ class StreamBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_cta, row_groups, zero_ctas):
+        if cutlass.const_expr(PDL):
+            cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio
         ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
@@ -190,8 +192,12 @@ class StreamBackward(BackwardKernel):
                             dp = product(rG[v], rX[i, v], fast)
                             rS[i, v] = e
                             rX[i, v] = dp
-                            d = d + e
-                            t = t + product(e, dp, fast)
+                            if cutlass.const_expr(i == 0):  # not 0 + x: ptxas keeps that add (-0)
+                                d = e
+                                t = product(e, dp, fast)
+                            else:
+                                d = d + e
+                                t = t + product(e, dp, fast)
                         rD[v], rT[v] = warp_chunks_sum(d, t, ct)
                     if lead:
                         sDen[g_idx, col, None].store(rD.load())

@@ -78,13 +78,26 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
                   ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr,
                   vec: cutlass.Constexpr, staged):
     """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
-    positions; invalid positions get -inf / 0. Staged, the slots already hold those (the staging
-    wrote them, ``stage_invalid``): no test at all. From global memory, chunks inside one window
-    half (``chunk`` divides ``ratio``) take one validity test and one base address; others go
-    position by position."""
+    positions; invalid positions get -inf / 0. Staged, the slots already hold 0 / -inf (the
+    staging wrote them, ``stage_invalid``) and a select keeps ape out of the score: no branch (a
+    branch made every value carry a default through it). From global memory, chunks inside one
+    window half (``chunk`` divides ``ratio``) take one validity test and one base address; others
+    go position by position."""
     if cutlass.const_expr(staged is not None):
         for i in cutlass.range_constexpr(chunk):
             _gather_one(mKV, mS, rA, rS, rX, staged, i, None, None, chunk, vec)
+        # -inf whatever ape holds there (-inf + inf would be NaN); a branch taken only by first
+        # blocks and padding chunks
+        if cutlass.const_expr(ratio % chunk == 0):
+            if not chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)[3]:
+                for i in cutlass.range_constexpr(chunk):
+                    for v in cutlass.range_constexpr(vec):
+                        rS[i, v] = -Float32.inf
+        else:
+            for i in cutlass.range_constexpr(chunk):
+                if not chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)[3]:
+                    for v in cutlass.range_constexpr(vec):
+                        rS[i, v] = -Float32.inf
     elif cutlass.const_expr(ratio % chunk == 0):
         tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
         wKV = chunk_view(mKV, tok, vec)

@@ -23,6 +23,7 @@ from cutlass.memory import SmemAllocator
 from .common import (BackwardKernel, can_stage, copy_async, load_window, mul_rn, row_block, softmax_column,
                      stage_buffers, stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .schedule import PDL
 
 
 class WindowBackward(BackwardKernel):
@@ -31,6 +32,8 @@ class WindowBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_thread, row_groups, zero_ctas):
+        if cutlass.const_expr(PDL):
+            cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         ct, lanes = self.sched.col_threads, self.sched.row_lanes
         tidx, _, _ = cute.arch.thread_idx()
