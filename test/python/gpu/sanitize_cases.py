@@ -58,6 +58,12 @@ def main():
     for case in CASES:
         run_case(*case)
         print(f"r{case[0]} c{case[1]} d{case[2]}: ok", flush=True)
+    # small packs take the stream backward's few-rows schedule: the default one too
+    from csa_frontend.compressor.kernels import schedule
+    schedule.STREAM_BWD_FEW_ROWS = 0
+    for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
+        run_case(*case)
+        print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
     torch.cuda.synchronize()

@@ -190,6 +190,40 @@ def test_cuda_graph_replay():
 
 
 @pytest.mark.L1
+def test_stream_row_buckets_capture_after_one_long_call():
+    """A long pack compiles the stream backward; a graph then captures a short pack (the few-rows
+    schedule) without compiling, and its replays match the long pack's kernels on the same rows
+    within the tolerance contract."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+    ratio, coff, d = 96, 2, 128  # a configuration no other test compiles
+    cu, comp = offsets([ratio * 600], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, d)
+    grad_out = torch.randn(int(comp[-1]), d, device="cuda").to(torch.bfloat16)
+    kernels.backward(kv, score, ape, cu, comp, grad_out, torch.empty_like(kv), torch.empty_like(score),
+                     torch.empty_like(ape), ratio=ratio, coff=coff, head_dim=d)
+    sched = schedule.choose_schedule(ratio, coff, d, "bwd")
+    assert not schedule.takes_few_rows_schedule(int(comp[-1]), sched)
+    keys = dispatch.cache_keys()
+    short_cu, short_comp = offsets([ratio * 3 + 5, 2 * ratio], ratio)
+    assert schedule.takes_few_rows_schedule(int(short_comp[-1]), sched)
+    skv, sscore = kv[: int(short_cu[-1])].clone(), score[: int(short_cu[-1])].clone()
+    sgo = grad_out[: int(short_comp[-1])].clone()
+    gkv, gs, gape = torch.empty_like(skv), torch.empty_like(sscore), torch.empty_like(ape)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.backward(skv, sscore, ape, short_cu, short_comp, sgo, gkv, gs, gape, ratio=ratio, coff=coff,
+                         head_dim=d)
+    assert dispatch.cache_keys() == keys
+    gkv.fill_(float("nan")), gs.fill_(float("nan")), gape.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    rkv, rs, rape = reference_backward(skv, sscore, ape, short_cu, short_comp, sgo, ratio, coff)
+    for got, ref in ((gkv, rkv), (gs, rs)):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gape, rape, rtol=1e-4, atol=1e-4 * rape.abs().max().item())
+
+
+@pytest.mark.L1
 def test_compile_under_capture_raises():
     ratio, coff, d = 5, 1, 96  # a configuration no other test compiles
     cu, comp = offsets([50], ratio)
@@ -249,11 +283,27 @@ def test_stream_smoke():
     check_stream_config(128, 2, 128, stream_edge_lengths(128))
 
 
+def stream_matrix_cases():
+    """(ratio, coff, head_dim, bucket): these packs are small enough for the backward's few-rows
+    schedule, so where the planner has one they also run through the default schedule (the one
+    long packs take) with the bucket turned off."""
+    from csa_frontend.compressor.kernels.schedule import few_rows_schedule
+    cases = []
+    for ratio in (16, 32, 64, 128, 200, 256):
+        for coff in (1, 2):
+            for head_dim in (64, 128, 192, 512):
+                cases.append((ratio, coff, head_dim, "planner"))
+                if few_rows_schedule(ratio, coff, head_dim) is not None:
+                    cases.append((ratio, coff, head_dim, "default_schedule"))
+    return cases
+
+
 @pytest.mark.L1
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 512])
-@pytest.mark.parametrize("coff", [1, 2])
-@pytest.mark.parametrize("ratio", [16, 32, 64, 128, 200, 256])
-def test_stream_matrix(ratio, coff, head_dim):
+@pytest.mark.parametrize("ratio,coff,head_dim,bucket", stream_matrix_cases())
+def test_stream_matrix(ratio, coff, head_dim, bucket, monkeypatch):
+    if bucket == "default_schedule":
+        from csa_frontend.compressor.kernels import schedule
+        monkeypatch.setattr(schedule, "STREAM_BWD_FEW_ROWS", 0)
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio), seed=ratio + coff)
 
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from csa_frontend.compressor.kernels import dispatch  # noqa: E402
-from csa_frontend.compressor.kernels.schedule import choose_schedule  # noqa: E402
+from csa_frontend.compressor.kernels.schedule import choose_schedule, few_rows_schedule  # noqa: E402
 
 CONFIGS = [  # (ratio, coff, head_dim)
     (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
@@ -28,10 +28,15 @@ def compile_all(ratio, coff, head_dim, arch):
     assert no_reduce is None
     assert fwd_sched == choose_schedule(ratio, coff, head_dim, "fwd")
     assert bwd_sched == choose_schedule(ratio, coff, head_dim, "bwd")
+    # the row-count bucket's kernels were compiled with them (a small pack never compiles later)
+    few = few_rows_schedule(ratio, coff, head_dim)
+    for direction in ("bwd", "bwd_atomic"):
+        assert ((direction, arch, ratio, coff, head_dim, few) in dispatch.cache_keys()) == (few is not None)
 
 
 @pytest.mark.L0
 def test_families_are_covered():
+    assert any(few_rows_schedule(*c) is not None for c in CONFIGS)
     families = {(choose_schedule(*c, d).family, d) for c in CONFIGS for d in ("fwd", "bwd")}
     assert families == {("window", "fwd"), ("window", "bwd"), ("stream", "fwd"), ("stream", "bwd")}
     vecs = {choose_schedule(*c, "fwd").vec for c in CONFIGS} | {choose_schedule(*c, "bwd").vec for c in CONFIGS}

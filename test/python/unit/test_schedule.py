@@ -135,3 +135,35 @@ def test_stream_ctas_widen_only_wide_windows(ratio, coff, head_dim):
     assert bwd.threads > 256 if coff * ratio >= 256 else bwd.threads <= 256
     if -(-coff * ratio // fwd.chunk) >= sch.STREAM_WIDE_CHUNKS["fwd"]:
         assert fwd.col_threads * fwd.vec * 2 >= 64  # a warp reads at least half a line per token row
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 8, 16, 33, 64, 128, 200, 256])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("head_dim", [2, 65, 66, 128, 192, 512, 4096])
+def test_few_rows_schedule_is_a_narrower_stream_schedule(ratio, coff, head_dim):
+    """The row-count bucket's schedule: only for stream backwards wider than vec 2; vec 2 at the
+    default's CTA width, covering the same problem."""
+    default = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    few = sch.few_rows_schedule(ratio, coff, head_dim)
+    if default.family == "window" or default.vec <= 2:
+        assert few is None
+        return
+    assert few.family == "stream" and few.vec == 2 and few.threads == default.threads
+    n_vec = head_dim // few.vec
+    assert few.col_threads * few.col_tiles >= n_vec > few.col_threads * (few.col_tiles - 1)
+    assert few.row_lanes * few.chunk >= coff * ratio and few.row_lanes % max(1, 32 // few.col_threads) == 0
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (128, 2, 512), (64, 1, 512), (16, 2, 256)])
+def test_few_rows_bucket_boundary(ratio, coff, head_dim):
+    """The bucket is a function of the row count and the default schedule only: launches whose
+    CTAs walk at most STREAM_BWD_FEW_ROWS rows take the few-rows schedule, the next row count
+    takes the default."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    row_ctas = max(1, sch.STREAM_BWD_TARGET_THREADS // s.threads // s.col_tiles)
+    last = row_ctas * sch.STREAM_BWD_FEW_ROWS
+    for n_rows in (0, 1, row_ctas, last):
+        assert sch.takes_few_rows_schedule(n_rows, s)
+    for n_rows in (last + 1, 10 * last, 10 ** 6):
+        assert not sch.takes_few_rows_schedule(n_rows, s)
+    assert not sch.takes_few_rows_schedule(1, sch.choose_schedule(4, 2, 128, "bwd"))  # window family

@@ -17,10 +17,12 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .schedule import APE_REDUCE_WARPS as WARPS
-from .schedule import PDL
 
 
 class ApeReduce:
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl  # launched as a programmatic dependent of the backward (sm_90+)
+
     @cute.jit
     def __call__(
         self,
@@ -32,12 +34,12 @@ class ApeReduce:
         n = mGApe.shape[0]
         per_cta = 32 * WARPS // split
         self.kernel(mSlab, mGApe, split).launch(
-            grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=PDL
+            grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
     def kernel(self, mSlab, mGApe, split):
-        if cutlass.const_expr(PDL):
+        if cutlass.const_expr(self.pdl):
             # launched early (programmatic dependent launch): the slabs are complete only once
             # the backward grid has finished
             cute.arch.griddepcontrol_wait()

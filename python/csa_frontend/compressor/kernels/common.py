@@ -160,6 +160,7 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
+        self.pdl = False  # backward only: lets the slab reduction launch early (``uses_pdl``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
         # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per

@@ -17,12 +17,15 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .schedule import (
+    PDL,
     Schedule,
     ape_split,
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
+    few_rows_schedule,
     fwd_rows_per_cta,
+    takes_few_rows_schedule,
     zero_fill_ctas,
 )
 
@@ -116,6 +119,12 @@ def _options(arch: Optional[str]) -> str:
     return opts
 
 
+def uses_pdl(arch: Optional[str]) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``) needs sm_90 or later; an unnamed
+    arch gets none."""
+    return PDL and arch is not None and int("".join(filter(str.isdigit, arch)) or 0) >= 90
+
+
 def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
     """(compiled forward, its schedule)."""
     import cutlass
@@ -150,12 +159,13 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     op = (WindowBackward if sched.family == "window" else StreamBackward)(ratio, coff, head_dim, sched, atomic)
+    op.pdl = uses_pdl(arch) and not atomic
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))
     if atomic:
         return main, None, sched
-    reduce = cute.compile(ApeReduce(), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
+    reduce = cute.compile(ApeReduce(op.pdl), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
     return main, reduce, sched
 
 
@@ -171,10 +181,28 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
                      deterministic: bool = True):
-    """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant."""
-    direction = "bwd" if deterministic else "bwd_atomic"
-    key, sched = _key("bwd", ratio, coff, head_dim, arch)
-    key = (direction,) + key[1:]
+    """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant:
+    (main kernel, slab reduction or None, schedule) of the default schedule. The few-rows
+    schedule's kernels (``few_rows_schedule``), where the planner has one, are compiled too, so
+    no row count ever compiles later (``compile_backward_few_rows``)."""
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    kernels = _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
+    compile_backward_few_rows(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
+    return kernels
+
+
+def compile_backward_few_rows(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
+                              deterministic: bool = True):
+    """The backward's kernels for launches of few rows per CTA, or None where the planner has
+    no such schedule for this configuration."""
+    sched = few_rows_schedule(ratio, coff, head_dim)
+    if sched is None:
+        return None
+    return _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
+
+
+def _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched):
+    key = ("bwd" if deterministic else "bwd_atomic", arch, ratio, coff, head_dim, sched)
     return _compiled(key, lambda: _build_backward(ratio, coff, head_dim, sched, arch, not deterministic))
 
 
@@ -226,12 +254,19 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
         arch = arch_of(device)
         if direction == "fwd":
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+            direct = _direct_entries(fns)
         else:
-            fns = compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
-                                   deterministic=direction == "bwd")
-        direct = tuple(_direct_entry(f) if f is not None and not isinstance(f, Schedule) else f for f in fns)
+            kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
+            fns = compile_backward(**kw)
+            few = compile_backward_few_rows(**kw)
+            # (main, reduce, schedule, the few-rows schedule's (main, reduce, schedule) or None)
+            direct = _direct_entries(fns) + (None if few is None else _direct_entries(few),)
         entry = _by_device[key] = (fns, direct)
     return entry[1]
+
+
+def _direct_entries(fns):
+    return tuple(_direct_entry(f) if f is not None and not isinstance(f, Schedule) else f for f in fns)
 
 
 #: The current CUDA device index without torch.cuda.current_device()'s lazy-init check (the
@@ -257,9 +292,11 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
         fn(*args)
 
 
-def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
+def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
+    if few is not None and takes_few_rows_schedule(n_rows, sched):
+        main, reduce, sched = few
     rpt = bwd_rows_per_thread(n_rows, sched)
     groups = bwd_row_groups(n_rows, sched, rpt)
     zero_ctas = zero_fill_ctas(cu_seqlens.shape[0] - 1, sched)
@@ -279,8 +316,8 @@ def _launch_backward(main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
              ratio, coff, head_dim, deterministic=True, stream=None):
     direction = "bwd" if deterministic else "bwd_atomic"
-    main, reduce, sched = _kernels_for(direction, kv.device, ratio, coff, head_dim)
-    args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+    main, reduce, sched, few = _kernels_for(direction, kv.device, ratio, coff, head_dim)
+    args = (main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
             grad_score, grad_ape, ratio, coff, head_dim)
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
@@ -319,12 +356,12 @@ def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int
                       deterministic: bool = True) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
     grad_ape)`` on the current stream."""
-    main, reduce, sched = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
-                                       head_dim)
+    main, reduce, sched, few = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
+                                            head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape):
-        args = (main, reduce, sched, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+        args = (main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
                 grad_score, grad_ape, ratio, coff, head_dim)
         if _current_device() != index:
             with _on_stream(kv.device, None):

@@ -159,21 +159,49 @@ def _floor_pow2(n: int) -> int:
 STREAM_MAX_VEC = _per_direction({"fwd": 4, "bwd": 4}, "CSA_FRONTEND_STREAM_MAX_VEC")
 
 
-def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str) -> Schedule:
+def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str,
+                     threads: int = 0) -> Schedule:
     vec = min(vec, STREAM_MAX_VEC[direction])
     chunk = max(1, STREAM_CHUNK_VALUES[direction] // vec)
     n_chunks = -(-coff * ratio // chunk)
     n_vec = head_dim // vec
     # Both directions reduce the chunks of a warp by shuffles: col_threads is a power of two and
     # the chunk count is padded (with empty chunks) to whole warps.
-    threads = STREAM_CTA_THREADS[direction]
-    if n_chunks < STREAM_WIDE_CHUNKS[direction]:
-        threads = min(256, threads)
+    if not threads:
+        threads = STREAM_CTA_THREADS[direction]
+        if n_chunks < STREAM_WIDE_CHUNKS[direction]:
+            threads = min(256, threads)
     col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
     per_warp = max(1, 32 // col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
     return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, STREAM_STAGES[direction])
+
+
+#: Row-count bucket of the stream backward: launches whose CTAs walk at most this many rows
+#: are a serial latency chain per CTA (row lookup, staging, two barriers per row) rather than a
+#: stream of bytes, and run a second compiled schedule (``few_rows_schedule``): vec 2 at the
+#: default's CTA width, i.e. half the columns per thread, shorter reductions per row. Measured
+#: on the H200: 1x8192 r128 c2 d128 (2 rows per CTA) 15.3 -> 13.4 us; with many rows per CTA the
+#: vec-2 schedule is slower (1x65536 r128 c2 d512 175 -> 199 us, 1x262144 r128 c2 d128 177 ->
+#: 202 us). 0 turns the bucket off. Tuning knob, e.g. CSA_FRONTEND_STREAM_BWD_FEW_ROWS=0.
+STREAM_BWD_FEW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS", "2"))
+
+
+@lru_cache(maxsize=None)
+def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
+    """The stream backward's schedule for launches of few rows per CTA (``STREAM_BWD_FEW_ROWS``),
+    or None where the default has no narrower variant (window family, vec already <= 2)."""
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    if sched.family != "stream" or sched.vec <= 2:
+        return None
+    return _stream_schedule(ratio, coff, head_dim, 2, "bwd", threads=sched.threads)
+
+
+def takes_few_rows_schedule(n_rows: int, sched: Schedule) -> bool:
+    """Whether a backward launch of ``n_rows`` rows runs ``few_rows_schedule`` instead of
+    ``sched`` (the default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows."""
+    return sched.family == "stream" and bwd_rows_per_thread(n_rows, sched) <= STREAM_BWD_FEW_ROWS
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:

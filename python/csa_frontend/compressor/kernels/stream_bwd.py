@@ -23,7 +23,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, span_at, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import PDL, STREAM_BWD_FAST_MATH
+from .schedule import STREAM_BWD_FAST_MATH
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -79,7 +79,7 @@ class StreamBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_cta, row_groups, zero_ctas):
-        if cutlass.const_expr(PDL):
+        if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio

@@ -23,7 +23,6 @@ from cutlass.memory import SmemAllocator
 from .common import (BackwardKernel, can_stage, copy_async, load_window, mul_rn, row_block, softmax_column,
                      stage_buffers, stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import PDL
 
 
 class WindowBackward(BackwardKernel):
@@ -32,7 +31,7 @@ class WindowBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_thread, row_groups, zero_ctas):
-        if cutlass.const_expr(PDL):
+        if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         ct, lanes = self.sched.col_threads, self.sched.row_lanes
