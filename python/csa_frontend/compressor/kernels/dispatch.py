@@ -1,7 +1,8 @@
 """Compile cache and launch glue between torch tensors and the CuTe kernels.
 
 Kernels are compiled through TVM-FFI against symbolic token / row / segment counts, so one
-compiled function per static configuration serves every pack; calls then pass torch tensors
+compiled function per static configuration serves every pack (the stream backward has two,
+one per row-count bucket, compiled together); calls then pass torch tensors
 straight through (no per-call DLPack wrapping) on the environment (current torch) stream.
 The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
 concurrent first calls compile once.

@@ -2,9 +2,10 @@
 
 A schedule fixes everything the compiled code depends on besides (ratio, coff, head_dim, arch):
 the kernel family, the vector width and the CTA shape. Token and segment counts never enter
-it, so they never recompile. The only per-call choice, how many rows one backward thread
-walks, is a runtime argument chosen here from the row count alone (never from the SM
-count), so ``grad_ape`` bits depend on the shape and nothing else.
+it, so they never recompile. The per-call choices are made here from the row count alone
+(never from the SM count), so ``grad_ape`` bits depend on the shape and nothing else: how many
+rows one backward thread (or stream CTA) walks, a runtime argument, and which of the stream
+backward's two compiled schedules runs (``takes_few_rows_schedule``; both compile together).
 
 CTA shape: ``col_threads`` threads across the head dimension (one ``vec``-wide column slice
 each, coalesced along a token row) times ``row_lanes`` threads across output rows.
