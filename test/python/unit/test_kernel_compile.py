@@ -95,3 +95,11 @@ def test_planner_schedules_compile_for_sm90a(ratio, coff, head_dim):
     512-thread forward CTAs, padded chunk counts) and head dims (vec 4/2/1, 128 column tiles):
     each compiles for sm_90a, forward and both backwards."""
     compile_all(ratio, coff, head_dim, "sm_90a")
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("arch,pdl", [("sm_80", False), ("sm_90a", True), ("sm_100a", True), (None, False)])
+def test_programmatic_dependent_launch_only_from_sm90(arch, pdl):
+    """griddepcontrol needs sm_90+: older or unnamed targets get plain launches (the sm_80
+    compiles in test_compiles would fail in ptxas otherwise)."""
+    assert dispatch.uses_pdl(arch) == (pdl and dispatch.PDL)
