@@ -153,14 +153,14 @@ class PoolingKernel:
 
     family = ""
 
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False):
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False, pdl: bool = False):
         assert sched.family == self.family, (sched.family, self.family)
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
         self.vec = sched.vec
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
-        self.pdl = False  # backward only: lets the slab reduction launch early (``uses_pdl``)
+        self.pdl = pdl  # backward only: lets the slab reduction launch early (``uses_pdl``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
         # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per
@@ -240,15 +240,6 @@ def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
         lo = mCuC[seg]
         hi = mCuC[seg + 1]
     return t0, lo, hi, t1
-
-
-@cute.jit
-def span_at(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, t0: Int32, lo: Int32, hi: Int32):
-    """A ``row_span`` cursor (first token, first row, end row) moved on to ``row``, the row after
-    the last: a lookup only when ``row`` leaves the segment."""
-    if row >= hi:
-        t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row)
-    return t0, lo, hi
 
 
 @cute.jit
@@ -359,8 +350,8 @@ def can_stage(vec: int) -> bool:
     return vec >= 2
 
 
-def stage_buffers(width: int, threads: int, vec: int, extra: int = 0, stages: int = 2):
-    """``stages`` pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
+def stage_buffers(width: int, threads: int, vec: int, extra: int = 0):
+    """Two pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
     ``width`` score rows (+ ``extra`` more rows, e.g. grad_out) of ``vec`` elements per thread.
     Thread-major within a row, so a warp's accesses to one row are consecutive (no bank
     conflicts)."""
@@ -368,7 +359,7 @@ def stage_buffers(width: int, threads: int, vec: int, extra: int = 0, stages: in
     smem = SmemAllocator()
     return smem.allocate_tensor(
         BFloat16,
-        cute.make_layout((stages, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)), 16)
+        cute.make_layout((2, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)), 16)
 
 
 @cute.jit

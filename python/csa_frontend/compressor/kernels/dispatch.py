@@ -159,8 +159,8 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    op = (WindowBackward if sched.family == "window" else StreamBackward)(ratio, coff, head_dim, sched, atomic)
-    op.pdl = uses_pdl(arch) and not atomic
+    family = WindowBackward if sched.family == "window" else StreamBackward
+    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch) and not atomic)
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))

@@ -65,7 +65,6 @@ class Schedule:
     row_lanes: int  # window family: threads across output rows; stream family: window chunks
     col_tiles: int  # CTAs across head_dim
     chunk: int = 0  # stream family: window positions per thread
-    stages: int = 2  # stream family: rows in flight through the shared-memory pipeline
 
     @property
     def threads(self) -> int:
@@ -146,11 +145,6 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 1}, "CSA_FRONTEND_STREAM_FWD_STAGED")
 
 
-#: Stream kernels: cp.async pipeline stages (rows staged ahead of the one being computed + 1).
-#: Tuning knob, e.g. CSA_FRONTEND_STREAM_STAGES="fwd=2,bwd=3".
-STREAM_STAGES = _per_direction({"fwd": 2, "bwd": 2}, "CSA_FRONTEND_STREAM_STAGES")
-
-
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -176,7 +170,7 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     per_warp = max(1, 32 // col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
-    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, STREAM_STAGES[direction])
+    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
 
 #: Row-count bucket of the stream backward: launches whose CTAs walk at most this many rows

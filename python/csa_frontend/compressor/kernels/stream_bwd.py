@@ -22,7 +22,7 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
-                     safe_max, span_at, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
+                     safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
 from .schedule import STREAM_BWD_FAST_MATH
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
@@ -108,24 +108,14 @@ class StreamBackward(BackwardKernel):
             # Software pipeline over the CTA's rows, as the stream forward (grad_out slice too);
             # rows are looked up incrementally (``row_span``).
             staged = can_stage(vec)
-            stages = self.sched.stages
-            ahead = stages - 1  # rows staged ahead of the one being computed
-            sBuf = stage_buffers(chunk, threads, vec, 1, stages) if cutlass.const_expr(staged) else None
+            sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
             row = bx * rows_per_cta
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row)
             own0, has_prev = block_start(t0, row - lo, ratio, mKV.shape[0])
-            # a second cursor (row, first token, first row, end row) for the rows being staged
-            frow, ft0, flo, fhi = row, t0, lo, hi
             if cutlass.const_expr(staged):
-                for s in cutlass.range_constexpr(ahead):
-                    fown0, fhas_prev = own0, has_prev
-                    if cutlass.const_expr(s > 0):
-                        frow = frow + 1
-                        ft0, flo, fhi = span_at(mCu, mCuC, n_seg, frow, ft0, flo, fhi)
-                        fown0, fhas_prev = block_start(ft0, frow - flo, ratio, mKV.shape[0])
-                    if (s == 0 or s < rows_per_cta) and frow < n_real and col_ok:
-                        self.stage_row(mKV, mS, gGO, stage_slots(sBuf, s, tidx), frow, fown0, fhas_prev, cv, k0)
-                    cute.arch.cp_async_commit_group()
+                if row < n_real and col_ok:
+                    self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
+                cute.arch.cp_async_commit_group()
             for it in cutlass.range(rows_per_cta, unroll=1):
                 nrow = row + 1
                 blk = row - lo  # this row's block, block count and segment end, before the cursor moves
@@ -136,20 +126,12 @@ class StreamBackward(BackwardKernel):
                 nown0, nhas_prev = block_start(t0, nrow - lo, ratio, mKV.shape[0])
                 slots = None
                 if cutlass.const_expr(staged):
-                    # the row ``ahead`` rows on: with two stages the compute cursor's next row
-                    fown0, fhas_prev = nown0, nhas_prev
-                    if cutlass.const_expr(ahead > 1):
-                        frow = frow + 1
-                        ft0, flo, fhi = span_at(mCu, mCuC, n_seg, frow, ft0, flo, fhi)
-                        fown0, fhas_prev = block_start(ft0, frow - flo, ratio, mKV.shape[0])
-                    else:
-                        frow = nrow
-                    if it + ahead < rows_per_cta and frow < n_real and col_ok:
-                        self.stage_row(mKV, mS, gGO, stage_slots(sBuf, (it + ahead) % stages, tidx), frow, fown0,
-                                       fhas_prev, cv, k0)
+                    if it + 1 < rows_per_cta and nrow < n_real and col_ok:
+                        self.stage_row(mKV, mS, gGO, stage_slots(sBuf, (it + 1) % 2, tidx), nrow, nown0,
+                                       nhas_prev, cv, k0)
                     cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(ahead)
-                    slots = stage_slots(sBuf, it % stages, tidx)
+                    cute.arch.cp_async_wait_group(1)
+                    slots = stage_slots(sBuf, it % 2, tidx)
                 if row < n_real:
                     rS = cute.make_rmem_tensor((chunk, vec), Float32)
                     rX = cute.make_rmem_tensor((chunk, vec), Float32)

@@ -79,10 +79,11 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
                   vec: cutlass.Constexpr, staged):
     """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
     positions; invalid positions get -inf / 0. Staged, the slots already hold 0 / -inf (the
-    staging wrote them, ``stage_invalid``) and a select keeps ape out of the score: no branch (a
-    branch made every value carry a default through it). From global memory, chunks inside one
-    window half (``chunk`` divides ``ratio``) take one validity test and one base address; others
-    go position by position."""
+    staging wrote them, ``stage_invalid``): every position is gathered without a test (a
+    per-position branch made every value carry a default through it), then a branch that only
+    first blocks and padding chunks take resets their scores, keeping ape out. From global
+    memory, chunks inside one window half (``chunk`` divides ``ratio``) take one validity test
+    and one base address; others go position by position."""
     if cutlass.const_expr(staged is not None):
         for i in cutlass.range_constexpr(chunk):
             _gather_one(mKV, mS, rA, rS, rX, staged, i, None, None, chunk, vec)

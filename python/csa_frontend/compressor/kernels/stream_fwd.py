@@ -25,7 +25,7 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, fma_rn, row_span, safe_max,
-                     span_at, stage_buffers, stage_slots)
+                     stage_buffers, stage_slots)
 from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
                             warp_chunks_max, warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
@@ -114,25 +114,15 @@ class StreamForward(PoolingKernel):
         # copied. Rows are looked up incrementally (``row_span``): a search only when a row
         # leaves its segment, as dependent loads of the offsets stalled every row.
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
-        stages = self.sched.stages
-        ahead = stages - 1  # rows staged ahead of the one being computed
-        sBuf = stage_buffers(chunk, threads, vec, 0, stages) if cutlass.const_expr(staged) else None
+        sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
         t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row)
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
-        # a second cursor (row, first token, first row, end row) for the rows being staged
-        frow, ft0, flo, fhi = row, t0, lo, hi
         if cutlass.const_expr(staged):
-            for s in cutlass.range_constexpr(ahead):
-                fown0, fhas_prev = own0, has_prev
-                if cutlass.const_expr(s > 0):
-                    frow = frow + 1
-                    ft0, flo, fhi = span_at(mCu, mCuC, n_seg, frow, ft0, flo, fhi)
-                    fown0, fhas_prev = block_start(ft0, frow - flo, self.ratio, mKV.shape[0])
-                if (s == 0 or s < rows_per_cta) and frow < n_rows and active:
-                    stage_any_chunk(mKV, mS, stage_slots(sBuf, s, tidx), fown0, fhas_prev, cv, k0, chunk,
-                                    self.ratio, self.coff, n_vec, vec)
-                cute.arch.cp_async_commit_group()
+            if row < n_rows and active:
+                stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
+                                self.coff, n_vec, vec)
+            cute.arch.cp_async_commit_group()
         for it in cutlass.range(rows_per_cta, unroll=1):
             nrow = row + 1
             if nrow >= hi:
@@ -140,20 +130,12 @@ class StreamForward(PoolingKernel):
             nown0, nhas_prev = block_start(t0, nrow - lo, self.ratio, mKV.shape[0])
             slots = None
             if cutlass.const_expr(staged):
-                # the row ``ahead`` rows on: with two stages the compute cursor's next row
-                fown0, fhas_prev = nown0, nhas_prev
-                if cutlass.const_expr(ahead > 1):
-                    frow = frow + 1
-                    ft0, flo, fhi = span_at(mCu, mCuC, n_seg, frow, ft0, flo, fhi)
-                    fown0, fhas_prev = block_start(ft0, frow - flo, self.ratio, mKV.shape[0])
-                else:
-                    frow = nrow
-                if it + ahead < rows_per_cta and frow < n_rows and active:
-                    stage_any_chunk(mKV, mS, stage_slots(sBuf, (it + ahead) % stages, tidx), fown0, fhas_prev,
-                                    cv, k0, chunk, self.ratio, self.coff, n_vec, vec)
+                if it + 1 < rows_per_cta and nrow < n_rows and active:
+                    stage_any_chunk(mKV, mS, stage_slots(sBuf, (it + 1) % 2, tidx), nown0, nhas_prev, cv, k0,
+                                    chunk, self.ratio, self.coff, n_vec, vec)
                 cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(ahead)
-                slots = stage_slots(sBuf, it % stages, tidx)
+                cute.arch.cp_async_wait_group(1)
+                slots = stage_slots(sBuf, it % 2, tidx)
             if row < n_rows:
                 rS = cute.make_rmem_tensor((chunk, vec), Float32)
                 rX = cute.make_rmem_tensor((chunk, vec), Float32)
