@@ -137,6 +137,10 @@ STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
 #: (``p = e * (1/den)``) and unpinned products (ptxas may contract them into FMAs) instead of
 #: libdevice ``expf``, correctly rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
 STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
+#: Stream backward (experiment, unmeasured): the per-row combines of the warp partials done once
+#: per CTA by warps 0 and 1 instead of by every warp (same bits; one more barrier per phase).
+#: ncu put the backward in the MIO pipe (NOTES row 37). Tuning knob, CSA_FRONTEND_STREAM_BWD_CTA_COMBINE=1.
+STREAM_BWD_CTA_COMBINE = os.environ.get("CSA_FRONTEND_STREAM_BWD_CTA_COMBINE", "0") == "1"
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the

@@ -23,7 +23,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_FAST_MATH
+from .schedule import STREAM_BWD_CTA_COMBINE, STREAM_BWD_FAST_MATH
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -101,6 +101,12 @@ class StreamBackward(BackwardKernel):
             per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
             groups = n_chunks // per_warp
             sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
+            cta_combine = STREAM_BWD_CTA_COMBINE and groups > 1
+            sFinal = None
+            if cutlass.const_expr(cta_combine):
+                # combined (max, den, T) per column, written by the combining warps 0 and 1
+                sFinal = SmemAllocator().allocate_tensor(
+                    Float32, cute.make_layout((3, ct, vec), stride=(ct * vec, vec, 1)), 16)
             rA = ape_slice(mApe, col_ok, cv, k0, chunk, ratio, coff, n_vec, vec)
             rPart = cute.make_rmem_tensor((chunk, vec), Float32)
             rPart.fill(0.0)
@@ -161,7 +167,17 @@ class StreamBackward(BackwardKernel):
                     if lead:
                         sMax[g_idx, col, None].store(rM.load())
                     cute.arch.sync_threads()
-                    combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
+                    if cutlass.const_expr(cta_combine):
+                        # one warp combines for the CTA (every warp would get the same bits), the
+                        # others read its result: 16x fewer shared loads and shuffles, one barrier more
+                        if tidx < 32:
+                            combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
+                            if lane_chunk == 0:
+                                sFinal[0, col, None].store(rM.load())
+                        cute.arch.sync_threads()
+                        rM.store(sFinal[0, col, None].load())
+                    else:
+                        combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
                     # (2) e, den and T = sum e * dp with dp = g * kv (kept in rX for the gradients)
                     rD = cute.make_rmem_tensor((vec,), Float32)
                     rT = cute.make_rmem_tensor((vec,), Float32)
@@ -185,8 +201,21 @@ class StreamBackward(BackwardKernel):
                         sDen[g_idx, col, None].store(rD.load())
                         sT[g_idx, col, None].store(rT.load())
                     cute.arch.sync_threads()
-                    combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
-                    combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
+                    if cutlass.const_expr(cta_combine):
+                        if tidx < 32:
+                            combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
+                            if lane_chunk == 0:
+                                sFinal[1, col, None].store(rD.load())
+                        elif tidx < 64:
+                            combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
+                            if lane_chunk == 0:
+                                sFinal[2, col, None].store(rT.load())
+                        cute.arch.sync_threads()
+                        rD.store(sFinal[1, col, None].load())
+                        rT.store(sFinal[2, col, None].load())
+                    else:
+                        combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
+                        combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
                     # (3) p = e / den, S = T / den, and the gradients in the reference's order
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
