@@ -141,6 +141,10 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 #: per CTA by warps 0 and 1 instead of by every warp (same bits; one more barrier per phase).
 #: ncu put the backward in the MIO pipe (NOTES row 37). Tuning knob, CSA_FRONTEND_STREAM_BWD_CTA_COMBINE=1.
 STREAM_BWD_CTA_COMBINE = os.environ.get("CSA_FRONTEND_STREAM_BWD_CTA_COMBINE", "0") == "1"
+#: Stream forward (experiment, unmeasured): occupancy hint, CTAs per SM ptxas must fit (0: none).
+#: Row 35 left the forward at 93-102 registers; 3 CTAs of 256 threads need <= 80, and a grid
+#: sized for them (CSA_FRONTEND_STREAM_FWD_THREADS=98304). Tuning knob, CSA_FRONTEND_STREAM_FWD_MIN_CTAS=3.
+STREAM_FWD_MIN_CTAS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_MIN_CTAS", "0"))
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the
