@@ -28,7 +28,8 @@ def _per_direction(defaults: dict, env: str) -> dict:
 
 
 #: Threads per CTA we aim for; 256 keeps 8 warps per CTA and leaves room for 2+ CTAs per SM.
-CTA_THREADS = 256
+#: Tuning knob for experiments, CSA_FRONTEND_CTA_THREADS.
+CTA_THREADS = int(os.environ.get("CSA_FRONTEND_CTA_THREADS", "256"))
 #: fp32 window values (positions x vec) one thread may hold per operand, per direction.
 #: ptxas for sm_90a: r4/c2 at vec 8 (64 values) takes 144 registers forward and ~240 backward,
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
