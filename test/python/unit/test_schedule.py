@@ -30,7 +30,7 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
         budget = sch.WINDOW_REGISTER_BUDGET[direction]
         assert width * s.vec <= budget
         assert s.vec >= 2 or sch.vector_width(head_dim) == 1
-        assert s.threads <= sch.CTA_THREADS
+        assert s.threads <= sch.WINDOW_CTA_THREADS[direction]
     else:
         assert s.family == "stream"
         assert s.chunk == max(1, sch.STREAM_CHUNK_VALUES[direction] // s.vec)

@@ -27,9 +27,12 @@ def _per_direction(defaults: dict, env: str) -> dict:
     return values
 
 
-#: Threads per CTA we aim for; 256 keeps 8 warps per CTA and leaves room for 2+ CTAs per SM.
-#: Tuning knob for experiments, CSA_FRONTEND_CTA_THREADS.
-CTA_THREADS = int(os.environ.get("CSA_FRONTEND_CTA_THREADS", "256"))
+#: Register-window family: threads per CTA we aim for, per direction. The forward's threads
+#: each pool one row and exit, so small CTAs retire and refill at a finer grain: on the H200
+#: 128 threads beat 256 (3x8192 r4 c2 d512 33.9 -> 33.0 us, 1x65536 80.4 -> 78.4, 512x256
+#: 166.2 -> 163.4; 512 threads: 36.9 / 84.9 / 188.1). The backward keeps 256 (at 128, 3x8192
+#: r4 c2 d512 67.4 -> 73.3 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_THREADS="fwd=128,bwd=256".
+WINDOW_CTA_THREADS = _per_direction({"fwd": 128, "bwd": 256}, "CSA_FRONTEND_WINDOW_THREADS")
 #: fp32 window values (positions x vec) one thread may hold per operand, per direction.
 #: ptxas for sm_90a: r4/c2 at vec 8 (64 values) takes 144 registers forward and ~240 backward,
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
@@ -51,7 +54,7 @@ BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
 #: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
-STREAM_BWD_TARGET_THREADS = 65536
+STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS", "65536"))
 #: Cap on rows one backward thread walks.
 BWD_MAX_ROWS_PER_THREAD = 32
 
@@ -101,9 +104,10 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
         return _stream_schedule(ratio, coff, head_dim, vec, direction)
     vec = narrow
     n_vec = head_dim // vec
-    col_threads = min(n_vec, CTA_THREADS)
+    cta_threads = WINDOW_CTA_THREADS[direction]
+    col_threads = min(n_vec, cta_threads)
     col_tiles = -(-n_vec // col_threads)
-    row_lanes = max(1, CTA_THREADS // col_threads)
+    row_lanes = max(1, cta_threads // col_threads)
     return Schedule("window", vec, col_threads, row_lanes, col_tiles)
 
 
@@ -125,10 +129,13 @@ STREAM_CHUNK_VALUES = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREA
 #: Tuning knob, e.g. CSA_FRONTEND_STREAM_THREADS="fwd=256,bwd=256".
 STREAM_CTA_THREADS = _per_direction({"fwd": 512, "bwd": 512}, "CSA_FRONTEND_STREAM_THREADS")
 #: Windows of fewer chunks stay at 256 threads. Measured on the H200: the forward's 16-, 8- and
-#: 4-chunk windows (r128 c1 d128, r64 c1 d512, r16 c2 d256) ran 6-48% slower at 512 threads,
-#: the backward's 32-, 16- and 8-chunk windows 1-54% slower (r64 c1 d512 92.4 -> 142.5 us).
-#: Tuning knob, e.g. CSA_FRONTEND_STREAM_WIDE_CHUNKS="fwd=32,bwd=64".
-STREAM_WIDE_CHUNKS = _per_direction({"fwd": 32, "bwd": 64}, "CSA_FRONTEND_STREAM_WIDE_CHUNKS")
+#: 4-chunk windows (r128 c1 d128, r64 c1 d512, r16 c2 d256) ran 6-48% slower at 512 threads.
+#: The backward's 16- and 32-chunk windows had been slower at 512 too (r64 c1 d512 92.4 ->
+#: 142.5 us), until the once-per-CTA combine (``STREAM_BWD_COMBINE_GROUPS``): with it, 512
+#: threads run r64 c1 d512 in 79.7 us instead of 93.0, r128 c1 d128 48.4 instead of 49.1; the
+#: 8-chunk r16 c2 d256 stays faster at 256 (43.2 against 44.8 us).
+#: Tuning knob, e.g. CSA_FRONTEND_STREAM_WIDE_CHUNKS="fwd=32,bwd=16".
+STREAM_WIDE_CHUNKS = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREAM_WIDE_CHUNKS")
 #: Stream forward: exp by ``ex2.approx`` (one FMA folds the max and log2(e), then
 #: ``exp2_half_squared``: ~4 ulp, no flush to zero) instead of libdevice ``expf``. Measured on the
 #: H200: r64 c1 d512 43.8 -> 38.4 us, r16 c2 d256 23.9 -> 21.9 us; the stream tolerance contract
@@ -138,14 +145,14 @@ STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
 #: (``p = e * (1/den)``) and unpinned products (ptxas may contract them into FMAs) instead of
 #: libdevice ``expf``, correctly rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
 STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
-#: Stream backward (experiment, unmeasured): the per-row combines of the warp partials done once
-#: per CTA by warps 0 and 1 instead of by every warp (same bits; one more barrier per phase).
-#: ncu put the backward in the MIO pipe (NOTES row 37). Tuning knob, CSA_FRONTEND_STREAM_BWD_CTA_COMBINE=1.
-STREAM_BWD_CTA_COMBINE = os.environ.get("CSA_FRONTEND_STREAM_BWD_CTA_COMBINE", "0") == "1"
-#: Stream forward (experiment, unmeasured): occupancy hint, CTAs per SM ptxas must fit (0: none).
-#: Row 35 left the forward at 93-102 registers; 3 CTAs of 256 threads need <= 80, and a grid
-#: sized for them (CSA_FRONTEND_STREAM_FWD_THREADS=98304). Tuning knob, CSA_FRONTEND_STREAM_FWD_MIN_CTAS=3.
-STREAM_FWD_MIN_CTAS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_MIN_CTAS", "0"))
+#: Stream backward: CTAs of at least this many warp groups combine the per-row warp partials
+#: (max, then den and T) once, in warps 0 and 1, and the other warps read the result, instead of
+#: every warp combining all groups itself (same bits; two more barriers per row). ncu had put the
+#: backward in the MIO pipe (NOTES row 37). Measured on the H200: at 16 groups (512 threads)
+#: 1x65536 r128 c2 d512 174.5 -> 160.0 us, 1x131072 335.7 -> 307.8 us; at 8 groups within noise
+#: (r128 c1 d128 48.7 -> 49.1, r64 c1 d512 89.7-92.7 -> 93.0). 0 turns it off.
+#: Tuning knob, CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS.
+STREAM_BWD_COMBINE_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS", "16"))
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the

@@ -4,8 +4,11 @@ Per row, two barriers: (1) the window max, as shuffle maxima over a warp's chunk
 the warps' maxima in shared memory (exact, so every thread holds the same max); (2)
 ``den = sum e`` and ``T = sum e * dp`` with ``dp = g * kv``, summed down each warp in chunk order
 and then over the warps. The warps' partials sit in shared memory as ``[group, column thread,
-vec]`` and the chunk lanes of each warp split the groups between them and finish with a
-butterfly (``combine_groups``): fixed orders, so the bits are reproducible. Then ``S = T / den``,
+vec]`` and the chunk lanes of a warp split the groups between them and finish with a
+butterfly (``combine_groups``): fixed orders, so the bits are reproducible. In CTAs of
+``STREAM_BWD_COMBINE_GROUPS`` or more warp groups only warps 0 and 1 combine, and the others
+read their result after one more barrier per phase: every warp combining every group had kept
+the MIO pipe (shuffles and shared loads) saturated. Then ``S = T / den``,
 ``p = e / den`` and the gradients ``gs = (dp - S) * p``, ``gkv = g * p`` of the thread's own
 positions. Arithmetic: ``ex2.approx`` exp, ``rcp.approx`` weights and contractible products by
 default (``STREAM_BWD_FAST_MATH``; the tolerance contract), else libdevice ``expf``, correctly
@@ -23,7 +26,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_CTA_COMBINE, STREAM_BWD_FAST_MATH
+from .schedule import STREAM_BWD_COMBINE_GROUPS, STREAM_BWD_FAST_MATH
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -101,7 +104,7 @@ class StreamBackward(BackwardKernel):
             per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
             groups = n_chunks // per_warp
             sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
-            cta_combine = STREAM_BWD_CTA_COMBINE and groups > 1
+            cta_combine = groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
             sFinal = None
             if cutlass.const_expr(cta_combine):
                 # combined (max, den, T) per column, written by the combining warps 0 and 1
@@ -169,7 +172,7 @@ class StreamBackward(BackwardKernel):
                     cute.arch.sync_threads()
                     if cutlass.const_expr(cta_combine):
                         # one warp combines for the CTA (every warp would get the same bits), the
-                        # others read its result: 16x fewer shared loads and shuffles, one barrier more
+                        # others read its result: fewer shared loads and shuffles, one barrier more
                         if tidx < 32:
                             combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
                             if lane_chunk == 0:

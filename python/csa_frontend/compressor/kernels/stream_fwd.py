@@ -28,7 +28,7 @@ from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, f
                      stage_buffers, stage_slots)
 from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
                             warp_chunks_max, warp_chunks_sum)
-from .schedule import STREAM_FAST_EXP, STREAM_FWD_MIN_CTAS, STREAM_FWD_STAGED
+from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
 
 
 @cute.jit
@@ -82,15 +82,10 @@ class StreamForward(PoolingKernel):
         rows_per_cta: Int32,
         stream,
     ):
-        hint = {}
-        if cutlass.const_expr(STREAM_FWD_MIN_CTAS > 0):
-            # occupancy hint (ptxas caps registers to fit); a fixed carveout so it compiles without a device
-            hint = dict(min_blocks_per_mp=STREAM_FWD_MIN_CTAS, preferred_smem_carveout=100)
         self.kernel(mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta).launch(
             grid=((mOut.shape[0] + rows_per_cta - 1) // rows_per_cta, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
-            **hint,
         )
 
     @cute.kernel
