@@ -132,7 +132,8 @@ def test_stream_ctas_widen_only_wide_windows(ratio, coff, head_dim):
     for sched, direction in ((fwd, "fwd"), (bwd, "bwd")):
         wide = -(-coff * ratio // sched.chunk) >= sch.STREAM_WIDE_CHUNKS[direction]
         assert sched.threads > 256 if wide else sched.threads <= 256
-    assert bwd.threads > 256 if coff * ratio >= 256 else bwd.threads <= 256
+    # the measured choice (benchmark/NOTES.md row 39): r64 c1 and wider backwards at 512 threads, r16 c2 at 256
+    assert bwd.threads > 256 if coff * ratio >= 64 else bwd.threads <= 256
     if -(-coff * ratio // fwd.chunk) >= sch.STREAM_WIDE_CHUNKS["fwd"]:
         assert fwd.col_threads * fwd.vec * 2 >= 64  # a warp reads at least half a line per token row
 
