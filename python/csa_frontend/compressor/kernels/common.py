@@ -10,13 +10,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
-
-from .schedule import APE_EVICT_LAST, WINDOW_LOADS_NO_L1
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -329,24 +326,10 @@ def kv_and_score(gKV: cute.Tensor, gS: cute.Tensor, staged, slot: cutlass.Conste
     if cutlass.const_expr(staged is not None):
         kvv = widen_bf16(staged[slot, None].load(), vec)
         scv = widen_bf16(staged[width + slot, None].load(), vec)
-    elif cutlass.const_expr(WINDOW_LOADS_NO_L1):
-        kvv = widen_bf16(load_hinted(gKV[(0, None), (tok, colt)], vec, BFloat16, "evict_no_allocate"), vec)
-        scv = widen_bf16(load_hinted(gS[(0, None), (tok, colt)], vec, BFloat16, "evict_no_allocate"), vec)
     else:
         kvv = widen_bf16(gKV[(0, None), (tok, colt)].load(), vec)
         scv = widen_bf16(gS[(0, None), (tok, colt)].load(), vec)
     return kvv, scv
-
-
-@cute.jit
-def load_hinted(gT: cute.Tensor, vec: cutlass.Constexpr, dtype: cutlass.Constexpr, priority: cutlass.Constexpr):
-    """The ``vec``-wide vector ``gT`` (a ``(vec,)`` slice of global memory) as one load with an
-    L1 eviction priority: ``evict_last`` for the small ape rows every row re-reads, so the
-    streamed windows do not push them out of L1; ``evict_no_allocate`` for window bytes read
-    exactly once."""
-    value = cute.arch.load(gT.iterator, ir.VectorType.get([vec], dtype.mlir_type),
-                           level1_eviction_priority=priority)
-    return cute.TensorSSA(value, (vec,), dtype)
 
 
 @cute.jit
@@ -356,11 +339,7 @@ def gather_position(wKV: cute.Tensor, wS: cute.Tensor, gA: cute.Tensor, rS: cute
     """``rS[k]`` = score + ape, ``rX[k]`` = kv of window row ``k`` (column slice ``colt``), kv
     and score from the staged slots or straight from the window views."""
     kvv, scv = kv_and_score(wKV, wS, staged, k, width, k, colt, vec)
-    apv = None
-    if cutlass.const_expr(APE_EVICT_LAST):
-        apv = load_hinted(gA[(0, None), (arow, colt)], vec, Float32, "evict_last")
-    else:
-        apv = gA[(0, None), (arow, colt)].load()
+    apv = gA[(0, None), (arow, colt)].load()
     for v in cutlass.range_constexpr(vec):
         rS[k, v] = scv[v] + apv[v]
         rX[k, v] = kvv[v]

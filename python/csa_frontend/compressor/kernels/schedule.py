@@ -153,16 +153,6 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 #: (r128 c1 d128 48.7 -> 49.1, r64 c1 d512 89.7-92.7 -> 93.0). 0 turns it off.
 #: Tuning knob, CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS.
 STREAM_BWD_COMBINE_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS", "16"))
-#: Register-window kernels (experiment): ape rows loaded with ``L1::evict_last`` (every row of a
-#: thread re-reads the same ape vectors; the streamed windows could evict them), and the
-#: forward's window loads with ``L1::no_allocate`` (read once). Tuning knobs, CSA_FRONTEND_APE_EVICT_LAST=1,
-#: CSA_FRONTEND_WINDOW_LOADS_NO_L1=1.
-APE_EVICT_LAST = os.environ.get("CSA_FRONTEND_APE_EVICT_LAST", "0") == "1"
-WINDOW_LOADS_NO_L1 = os.environ.get("CSA_FRONTEND_WINDOW_LOADS_NO_L1", "0") == "1"
-#: Stream forward (experiment): each thread's (max, d, a) partials stored as one vector per
-#: partial instead of ``vec`` scalar shared stores (ncu: MIO throttle is the r16 and r128 c1
-#: forwards' top stall). Tuning knob, CSA_FRONTEND_STREAM_FWD_VECTOR_PARTIALS=1.
-STREAM_FWD_VECTOR_PARTIALS = os.environ.get("CSA_FRONTEND_STREAM_FWD_VECTOR_PARTIALS", "0") == "1"
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the

@@ -28,7 +28,7 @@ from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, f
                      stage_buffers, stage_slots)
 from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
                             warp_chunks_max, warp_chunks_sum)
-from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED, STREAM_FWD_VECTOR_PARTIALS
+from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
 
 
 @cute.jit
@@ -151,9 +151,10 @@ class StreamForward(PoolingKernel):
                     for i in cutlass.range_constexpr(chunk):
                         invalid_position(rS, rX, i, vec)
                 par = it % 2
+                # this thread's partials (max, d, a), stored below as one vector each
                 rM = cute.make_rmem_tensor((vec,), Float32)
                 rD = cute.make_rmem_tensor((vec,), Float32)
-                rA2 = cute.make_rmem_tensor((vec,), Float32)
+                rSum = cute.make_rmem_tensor((vec,), Float32)
                 for v in cutlass.range_constexpr(vec):
                     # max over the warp's chunks (exact, so every lane agrees), then sums
                     # relative to it, added in chunk order down the warp
@@ -167,21 +168,15 @@ class StreamForward(PoolingKernel):
                         d = d + e
                         a = a + rX[i, v] * e
                     d, a = warp_chunks_sum(d, a, ct)
-                    if cutlass.const_expr(STREAM_FWD_VECTOR_PARTIALS):
-                        rM[v] = m
-                        rD[v] = d
-                        rA2[v] = a
-                    elif c % per_warp == 0:
-                        g = c // per_warp
-                        sM[par, g, col * vec + v] = m
-                        sD[par, g, col * vec + v] = d
-                        sA[par, g, col * vec + v] = a
-                if cutlass.const_expr(STREAM_FWD_VECTOR_PARTIALS):
-                    if c % per_warp == 0:
-                        # one vector store per partial and thread instead of vec scalar ones
-                        g = c // per_warp
-                        for buf, val in ((sM, rM), (sD, rD), (sA, rA2)):
-                            cute.zipped_divide(buf, (1, 1, vec))[(0, 0, None), (par, g, col)].store(val.load())
+                    rM[v] = m
+                    rD[v] = d
+                    rSum[v] = a
+                if c % per_warp == 0:
+                    # one vector store per partial instead of vec scalar ones: the MIO pipe is
+                    # what the narrower forwards wait on (NOTES row 43)
+                    g = c // per_warp
+                    for buf, val in ((sM, rM), (sD, rD), (sA, rSum)):
+                        cute.zipped_divide(buf, (1, 1, vec))[(0, 0, None), (par, g, col)].store(val.load())
                 cute.arch.sync_threads()
                 # warp partials merged in order; the merging warp rotates with the row
                 for q in cutlass.range_constexpr(-(-tile_cols // threads)):
