@@ -76,6 +76,17 @@ def combine_groups(sX: cute.Tensor, rOut: cute.Tensor, col: Int32, lane_chunk: I
         dist *= 2
 
 
+@cute.jit
+def combine_and_publish(sX: cute.Tensor, rOut: cute.Tensor, sFinal: cute.Tensor, slot: cutlass.Constexpr, col: Int32,
+                        lane_chunk: Int32, groups: cutlass.Constexpr, per_warp: cutlass.Constexpr,
+                        col_threads: cutlass.Constexpr, vec: cutlass.Constexpr, is_max: cutlass.Constexpr):
+    """``combine_groups`` by the calling warp, then its first chunk lane stores the result in
+    ``sFinal[slot]`` for the CTA's other warps (which read it after the next barrier)."""
+    combine_groups(sX, rOut, col, lane_chunk, groups, per_warp, col_threads, vec, is_max)
+    if lane_chunk == 0:
+        sFinal[slot, col, None].store(rOut.load())
+
+
 class StreamBackward(BackwardKernel):
     family = "stream"
 
@@ -174,9 +185,7 @@ class StreamBackward(BackwardKernel):
                         # one warp combines for the CTA (every warp would get the same bits), the
                         # others read its result: fewer shared loads and shuffles, one barrier more
                         if tidx < 32:
-                            combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
-                            if lane_chunk == 0:
-                                sFinal[0, col, None].store(rM.load())
+                            combine_and_publish(sMax, rM, sFinal, 0, col, lane_chunk, groups, per_warp, ct, vec, True)
                         cute.arch.sync_threads()
                         rM.store(sFinal[0, col, None].load())
                     else:
@@ -206,13 +215,9 @@ class StreamBackward(BackwardKernel):
                     cute.arch.sync_threads()
                     if cutlass.const_expr(cta_combine):
                         if tidx < 32:
-                            combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
-                            if lane_chunk == 0:
-                                sFinal[1, col, None].store(rD.load())
+                            combine_and_publish(sDen, rD, sFinal, 1, col, lane_chunk, groups, per_warp, ct, vec, False)
                         elif tidx < 64:
-                            combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
-                            if lane_chunk == 0:
-                                sFinal[2, col, None].store(rT.load())
+                            combine_and_publish(sT, rT, sFinal, 2, col, lane_chunk, groups, per_warp, ct, vec, False)
                         cute.arch.sync_threads()
                         rD.store(sFinal[1, col, None].load())
                         rT.store(sFinal[2, col, None].load())
