@@ -168,3 +168,25 @@ def test_few_rows_bucket_boundary(ratio, coff, head_dim):
     for n_rows in (last + 1, 10 * last, 10 ** 6):
         assert not sch.takes_few_rows_schedule(n_rows, s)
     assert not sch.takes_few_rows_schedule(1, sch.choose_schedule(4, 2, 128, "bwd"))  # window family
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim,once", [
+    (128, 2, 512, True), (128, 1, 128, True), (64, 1, 512, True), (256, 2, 192, True),  # 16+ warp groups
+    (16, 2, 256, False), (32, 1, 64, False)])  # 256-thread CTAs of 8 or fewer groups
+def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, once):
+    """The measured choice (benchmark/NOTES.md row 39): CTAs of 16+ warp groups combine their
+    per-row partials once; smaller ones in every warp. The few-rows schedule follows the same rule."""
+    sched = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "stream"
+    groups = sch.warp_groups(sched)
+    assert groups * max(1, 32 // sched.col_threads) == sched.row_lanes
+    assert sch.combines_once_per_cta(sched) is once
+    assert once is (groups >= sch.STREAM_BWD_COMBINE_GROUPS)
+    few = sch.few_rows_schedule(ratio, coff, head_dim)
+    if few is not None:
+        assert sch.combines_once_per_cta(few) is (sch.warp_groups(few) >= sch.STREAM_BWD_COMBINE_GROUPS)
+
+
+def test_combine_knob_off_means_every_warp_combines(monkeypatch):
+    monkeypatch.setattr(sch, "STREAM_BWD_COMBINE_GROUPS", 0)
+    assert not sch.combines_once_per_cta(sch.choose_schedule(128, 2, 512, "bwd"))

@@ -153,6 +153,20 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 #: (r128 c1 d128 48.7 -> 49.1, r64 c1 d512 89.7-92.7 -> 93.0). 0 turns it off.
 #: Tuning knob, CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS.
 STREAM_BWD_COMBINE_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS", "16"))
+
+
+def warp_groups(sched: "Schedule") -> int:
+    """Stream family: warps across a CTA's window chunks, i.e. the partials per column that are
+    combined through shared memory (a warp holds ``32 // col_threads`` chunks, reduced by
+    shuffles)."""
+    return sched.row_lanes // max(1, 32 // sched.col_threads)
+
+
+def combines_once_per_cta(sched: "Schedule") -> bool:
+    """Whether the stream backward of ``sched`` combines its warp partials once per CTA (warps 0
+    and 1) rather than in every warp (``STREAM_BWD_COMBINE_GROUPS``)."""
+    groups = warp_groups(sched)
+    return groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the

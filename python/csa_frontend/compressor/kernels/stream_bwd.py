@@ -26,7 +26,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_COMBINE_GROUPS, STREAM_BWD_FAST_MATH
+from .schedule import STREAM_BWD_FAST_MATH, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -113,9 +113,9 @@ class StreamBackward(BackwardKernel):
         if bx < row_groups:
             threads = self.sched.threads
             per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
-            groups = n_chunks // per_warp
+            groups = warp_groups(self.sched)
             sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
-            cta_combine = groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
+            cta_combine = combines_once_per_cta(self.sched)
             sFinal = None
             if cutlass.const_expr(cta_combine):
                 # combined (max, den, T) per column, written by the combining warps 0 and 1
