@@ -155,11 +155,16 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 STREAM_BWD_COMBINE_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS", "16"))
 
 
+def chunks_per_warp(col_threads: int) -> int:
+    """Stream family: window chunks one warp holds (``32 // col_threads`` chunk lanes, reduced by
+    shuffles before anything goes through shared memory)."""
+    return max(1, 32 // col_threads)
+
+
 def warp_groups(sched: "Schedule") -> int:
     """Stream family: warps across a CTA's window chunks, i.e. the partials per column that are
-    combined through shared memory (a warp holds ``32 // col_threads`` chunks, reduced by
-    shuffles)."""
-    return sched.row_lanes // max(1, 32 // sched.col_threads)
+    combined through shared memory."""
+    return sched.row_lanes // chunks_per_warp(sched.col_threads)
 
 
 def combines_once_per_cta(sched: "Schedule") -> bool:
@@ -167,6 +172,8 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
     and 1) rather than in every warp (``STREAM_BWD_COMBINE_GROUPS``)."""
     groups = warp_groups(sched)
     return groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
+
+
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the
@@ -197,14 +204,14 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
         if n_chunks < STREAM_WIDE_CHUNKS[direction]:
             threads = min(256, threads)
     col_threads = min(_floor_pow2(threads // n_chunks), _floor_pow2(2 * n_vec - 1))
-    per_warp = max(1, 32 // col_threads)
+    per_warp = chunks_per_warp(col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
     return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
 
 #: Row-count bucket of the stream backward: launches whose CTAs walk at most this many rows
-#: are a serial latency chain per CTA (row lookup, staging, two barriers per row) rather than a
+#: are a serial latency chain per CTA (row lookup, staging, the barriers of each row) rather than a
 #: stream of bytes, and run a second compiled schedule (``few_rows_schedule``): vec 2 at the
 #: default's CTA width, i.e. half the columns per thread, shorter reductions per row. Measured
 #: on the H200: 1x8192 r128 c2 d128 (2 rows per CTA) 15.3 -> 13.4 us; with many rows per CTA the

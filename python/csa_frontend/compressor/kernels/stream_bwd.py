@@ -1,7 +1,8 @@
 """Stream-family backward: a CTA walks ``rows_per_cta`` rows, each row's window split in chunks.
 
-Per row, two barriers: (1) the window max, as shuffle maxima over a warp's chunks, then over
-the warps' maxima in shared memory (exact, so every thread holds the same max); (2)
+Per row, two phases, each ending in a barrier: (1) the window max, as shuffle maxima over a
+warp's chunks, then over the warps' maxima in shared memory (exact, so every thread holds the
+same max); (2)
 ``den = sum e`` and ``T = sum e * dp`` with ``dp = g * kv``, summed down each warp in chunk order
 and then over the warps. The warps' partials sit in shared memory as ``[group, column thread,
 vec]`` and the chunk lanes of a warp split the groups between them and finish with a
@@ -26,7 +27,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
                      safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_FAST_MATH, combines_once_per_cta, warp_groups
+from .schedule import STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -112,7 +113,7 @@ class StreamBackward(BackwardKernel):
         gGO = cute.zipped_divide(mGO, (1, vec))
         if bx < row_groups:
             threads = self.sched.threads
-            per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
+            per_warp = chunks_per_warp(ct)
             groups = warp_groups(self.sched)
             sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
             cta_combine = combines_once_per_cta(self.sched)

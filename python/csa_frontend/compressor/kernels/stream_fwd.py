@@ -28,7 +28,7 @@ from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, f
                      stage_buffers, stage_slots)
 from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
                             warp_chunks_max, warp_chunks_sum)
-from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED
+from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
 
 
 @cute.jit
@@ -91,9 +91,9 @@ class StreamForward(PoolingKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta):
         vec, n_vec, chunk = self.vec, self.n_vec, self.sched.chunk
-        ct, n_chunks, threads = self.sched.col_threads, self.sched.row_lanes, self.sched.threads
-        per_warp = max(1, 32 // ct)  # chunks sharing a warp (reduced by shuffles)
-        groups = n_chunks // per_warp  # warp partials merged through shared memory
+        ct, threads = self.sched.col_threads, self.sched.threads
+        per_warp = chunks_per_warp(ct)
+        groups = warp_groups(self.sched)  # warp partials merged through shared memory
         tile_cols = ct * vec
         fast = STREAM_FAST_EXP
         tidx, _, _ = cute.arch.thread_idx()
