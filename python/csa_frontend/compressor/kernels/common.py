@@ -225,16 +225,16 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
 
 
 @cute.jit
-def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp_rows: cutlass.Constexpr = False):
     """(first token, first row, end row, end token) of ``row``'s segment, for walking consecutive
     rows: rows before the end row need no new lookup. A padding row pools segment 0's first
-    block and spans only itself."""
+    block and spans only itself. ``warp_rows``: as for ``row_start``."""
     t0 = Int32(0)
     t1 = Int32(0)
     lo = row
     hi = row + 1
     if row < mCuC[n_seg]:
-        seg = find_segment(mCuC, n_seg, row)
+        seg = find_segment(mCuC, n_seg, row, warp_rows)
         t0 = mCu[seg]
         t1 = mCu[seg + 1]
         lo = mCuC[seg]

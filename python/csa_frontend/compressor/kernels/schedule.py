@@ -51,6 +51,11 @@ WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
 #: 83.4 us at 384 = 1.45 waves). A constant, not the SM count, so the reduction order of
 #: grad_ape is the same on every GPU.
 BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
+#: Register-window backward (experiment): look rows up incrementally (``row_span``: a search
+#: only when a thread's next row leaves its segment) instead of a full lookup of every row (ncu:
+#: the backward waits on long scoreboard, NOTES row 42). Tuning knob,
+#: CSA_FRONTEND_WINDOW_BWD_ROW_CURSOR=1.
+WINDOW_BWD_ROW_CURSOR = os.environ.get("CSA_FRONTEND_WINDOW_BWD_ROW_CURSOR", "0") == "1"
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
 #: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).

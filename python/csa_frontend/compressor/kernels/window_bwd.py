@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, can_stage, copy_async, load_window, mul_rn, row_block, softmax_column,
-                     stage_buffers, stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
-                     widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, copy_async, load_window, mul_rn, row_block, row_span,
+                     softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
+                     weights_and_products, widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .schedule import WINDOW_BWD_ROW_CURSOR
 
 
 class WindowBackward(BackwardKernel):
@@ -59,15 +60,37 @@ class WindowBackward(BackwardKernel):
             # cp.async group wait.
             row = bx * rows_per_thread * lanes + lane
             # before any branch: with warp_rows the whole warp votes (padding rows included)
-            seg, blk, own0, has_prev = row_block(mCu, mCuC, n_seg, row, ratio, mKV.shape[0], self.warp_rows)
+            cursor = WINDOW_BWD_ROW_CURSOR
+            seg = Int32(0)
+            blk = Int32(0)
+            own0 = Int32(0)
+            has_prev = False
+            t0, lo, hi, t1 = Int32(0), Int32(0), Int32(0), Int32(0)
+            if cutlass.const_expr(cursor):
+                t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
+                own0, has_prev = block_start(t0, row - lo, ratio, mKV.shape[0])
+            else:
+                seg, blk, own0, has_prev = row_block(mCu, mCuC, n_seg, row, ratio, mKV.shape[0], self.warp_rows)
             if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
                     self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv)
                 cute.arch.cp_async_commit_group()
             for it in cutlass.range(rows_per_thread, unroll=1):
                 nrow = row + lanes
-                nseg, nblk, nown0, nhas_prev = row_block(mCu, mCuC, n_seg, nrow, ratio, mKV.shape[0],
-                                                         self.warp_rows)
+                nseg = seg
+                nblk = blk
+                nown0 = own0
+                nhas_prev = has_prev
+                last_blk = False  # this row is its segment's last block
+                seg_end = t1  # and its segment's end token
+                if cutlass.const_expr(cursor):
+                    last_blk = row - lo == hi - lo - 1
+                    if nrow >= hi:  # warp-uniform with warp_rows (the warp shares the row)
+                        t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, nrow, self.warp_rows)
+                    nown0, nhas_prev = block_start(t0, nrow - lo, ratio, mKV.shape[0])
+                else:
+                    nseg, nblk, nown0, nhas_prev = row_block(mCu, mCuC, n_seg, nrow, ratio, mKV.shape[0],
+                                                             self.warp_rows)
                 slots = None
                 if cutlass.const_expr(staged):
                     if it + 1 < rows_per_thread and nrow < n_real and col_ok:
@@ -113,14 +136,13 @@ class WindowBackward(BackwardKernel):
                             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
                             wGKV[(0, None), (k, colt)].store(rGKV[k, None].load())
                             wGS[(0, None), (k, colt)].store(rGS[k, None].load())
-                    n_blk = mCuC[seg + 1] - mCuC[seg]
-                    if blk == n_blk - 1:
-                        # last block: nobody consumes its first-half columns, nor the tail
-                        if cutlass.const_expr(coff == 2):
-                            for i in cutlass.range_constexpr(ratio):
-                                store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
-                                store_zeros(wGS, ratio + i, cv, vec, BFloat16)
-                        zero_tokens(gGKV, gGS, own0 + ratio, mCu[seg + 1], 1, cv, coff, n_vec, vec)
+                    if cutlass.const_expr(cursor):
+                        if last_blk:
+                            self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
+                    else:
+                        n_blk = mCuC[seg + 1] - mCuC[seg]
+                        if blk == n_blk - 1:
+                            self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, mCu[seg + 1], cv)
                 row, seg, blk, own0, has_prev = nrow, nseg, nblk, nown0, nhas_prev
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:
@@ -128,6 +150,17 @@ class WindowBackward(BackwardKernel):
             zb = bx - row_groups
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
+
+    @cute.jit
+    def zero_unconsumed(self, wGKV, wGS, gGKV, gGS, own0, seg_end, cv):
+        """A segment's last block: nobody consumes its first-half columns, nor the tail tokens
+        up to ``seg_end``."""
+        ratio, coff, vec, n_vec = self.ratio, self.coff, self.vec, self.n_vec
+        if cutlass.const_expr(coff == 2):
+            for i in cutlass.range_constexpr(ratio):
+                store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
+                store_zeros(wGS, ratio + i, cv, vec, BFloat16)
+        zero_tokens(gGKV, gGS, own0 + ratio, seg_end, 1, cv, coff, n_vec, vec)
 
     @cute.jit
     def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv):
