@@ -199,17 +199,6 @@ class BackwardKernel(PoolingKernel):
 
 
 @cute.jit
-def row_block(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, ratio: cutlass.Constexpr,
-              n_tok: Int32, warp_rows: cutlass.Constexpr = False):
-    """Backward: (segment, block index, first token, previous block valid) of ``row``. Padding
-    rows get some segment in range; the backward skips them."""
-    seg = find_segment(mCuC, n_seg, row, warp_rows)
-    blk = row - mCuC[seg]
-    own0, has_prev = block_start(mCu[seg], blk, ratio, n_tok)
-    return seg, blk, own0, has_prev
-
-
-@cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
               warp_rows: cutlass.Constexpr = False):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.
@@ -350,16 +339,16 @@ def can_stage(vec: int) -> bool:
     return vec >= 2
 
 
-def stage_buffers(width: int, threads: int, vec: int, extra: int = 0):
-    """Two pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows and
-    ``width`` score rows (+ ``extra`` more rows, e.g. grad_out) of ``vec`` elements per thread.
-    Thread-major within a row, so a warp's accesses to one row are consecutive (no bank
+def stage_buffers(width: int, threads: int, vec: int, extra: int = 0, stages: int = 2):
+    """``stages`` pipeline stages of per-thread bf16 slots in shared memory: ``width`` kv rows
+    and ``width`` score rows (+ ``extra`` more rows, e.g. grad_out) of ``vec`` elements per
+    thread. Thread-major within a row, so a warp's accesses to one row are consecutive (no bank
     conflicts)."""
     rows = 2 * width + extra
     smem = SmemAllocator()
     return smem.allocate_tensor(
         BFloat16,
-        cute.make_layout((2, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)), 16)
+        cute.make_layout((stages, rows, threads, vec), stride=(rows * threads * vec, threads * vec, vec, 1)), 16)
 
 
 @cute.jit

@@ -51,11 +51,12 @@ WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
 #: 83.4 us at 384 = 1.45 waves). A constant, not the SM count, so the reduction order of
 #: grad_ape is the same on every GPU.
 BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
-#: Register-window backward (experiment): look rows up incrementally (``row_span``: a search
-#: only when a thread's next row leaves its segment) instead of a full lookup of every row (ncu:
-#: the backward waits on long scoreboard, NOTES row 42). Tuning knob,
-#: CSA_FRONTEND_WINDOW_BWD_ROW_CURSOR=1.
-WINDOW_BWD_ROW_CURSOR = os.environ.get("CSA_FRONTEND_WINDOW_BWD_ROW_CURSOR", "0") == "1"
+#: Register-window backward: cp.async pipeline stages per coff (a thread's rows in flight:
+#: ``stages - 1`` ahead of the one it computes). Measured on the H200 (NOTES row 45): 3 stages
+#: were slower for coff 2 (3x8192 r4 c2 d512 66.2 -> 72.2 us, 1x65536 157 -> 174; suspected: two CTAs of
+#: 104 KB leave L1 too small for the ape rows every row re-reads) and within noise for coff 1
+#: (3 or 4 stages: 36.1 -> 35.6-36.2 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_BWD_STAGES="c1=2,c2=2".
+WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_STAGES")
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
 #: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
@@ -148,7 +149,8 @@ STREAM_WIDE_CHUNKS = _per_direction({"fwd": 32, "bwd": 16}, "CSA_FRONTEND_STREAM
 STREAM_FAST_EXP = os.environ.get("CSA_FRONTEND_STREAM_FAST_EXP", "1") == "1"
 #: Stream backward: ``ex2.approx`` exp (``exp2_half_squared``), ``rcp.approx`` weights
 #: (``p = e * (1/den)``) and unpinned products (ptxas may contract them into FMAs) instead of
-#: libdevice ``expf``, correctly rounded weights and pinned products. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
+#: libdevice ``expf``, correctly rounded weights and pinned products. Tuning knob (A/B),
+#: CSA_FRONTEND_STREAM_BWD_FAST_MATH=0.
 STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") == "1"
 #: Stream backward: CTAs of at least this many warp groups combine the per-row warp partials
 #: (max, then den and T) once, in warps 0 and 1, and the other warps read the result, instead of

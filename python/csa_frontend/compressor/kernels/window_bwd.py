@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, load_window, mul_rn, row_block, row_span,
+from .common import (BackwardKernel, block_start, can_stage, copy_async, load_window, mul_rn, row_span,
                      softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
                      weights_and_products, widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import WINDOW_BWD_ROW_CURSOR
+from .schedule import WINDOW_BWD_STAGES
 
 
 class WindowBackward(BackwardKernel):
     family = "window"
+
+    @property
+    def stages(self) -> int:
+        stages = WINDOW_BWD_STAGES[f"c{self.coff}"]
+        assert stages >= 2, f"CSA_FRONTEND_WINDOW_BWD_STAGES: at least 2 stages, got {stages}"
+        return stages
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
@@ -48,102 +54,47 @@ class WindowBackward(BackwardKernel):
         gGS = cute.zipped_divide(mGS, (1, vec))
         if bx < row_groups:
             staged = can_stage(vec)
-            sBuf = stage_buffers(width, self.sched.threads, vec, 1) if cutlass.const_expr(staged) else None
+            sBuf = stage_buffers(width, self.sched.threads, vec, 1, self.stages) if cutlass.const_expr(staged) else None
             gGO = cute.zipped_divide(mGO, (1, vec))
             rPart = cute.make_rmem_tensor((width, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
-            # Software pipeline over this thread's rows: while row ``it`` is computed, the
-            # window of row ``it + 1`` is already in flight into the other shared-memory stage
-            # (cp.async), so the DRAM latency is paid once per thread instead of once per row.
-            # Each thread reads only the slots it copied itself: no barrier, only its own
-            # cp.async group wait.
+            n_tok = mKV.shape[0]
+            # Software pipeline over this thread's rows: while row ``it`` is computed, the windows
+            # of its next ``stages - 1`` rows are already in flight into the other shared-memory
+            # stages (cp.async), so the DRAM latency is paid once per thread instead of once per
+            # row. Each thread reads only the slots it copied itself: no barrier, only its own
+            # cp.async group wait. Rows are placed by a cursor over the segment of the computed
+            # row (``row_span``: a search only when a row leaves it; with warp_rows the warp
+            # shares the row, so a search, which votes, is taken by all its lanes together). The
+            # cursor moves on before the row is computed: after it, ptxas needed 140-152
+            # registers for r8 c1 (one CTA per SM) instead of 128.
+            stages = self.stages
             row = bx * rows_per_thread * lanes + lane
-            # before any branch: with warp_rows the whole warp votes (padding rows included)
-            cursor = WINDOW_BWD_ROW_CURSOR
-            seg = Int32(0)
-            blk = Int32(0)
-            own0 = Int32(0)
-            has_prev = False
-            t0, lo, hi, t1 = Int32(0), Int32(0), Int32(0), Int32(0)
-            if cutlass.const_expr(cursor):
-                t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
-                own0, has_prev = block_start(t0, row - lo, ratio, mKV.shape[0])
-            else:
-                seg, blk, own0, has_prev = row_block(mCu, mCuC, n_seg, row, ratio, mKV.shape[0], self.warp_rows)
+            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
             if cutlass.const_expr(staged):
-                if row < n_real and col_ok:
-                    self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv)
-                cute.arch.cp_async_commit_group()
+                for p in cutlass.range_constexpr(stages - 1):
+                    self.stage_ahead(mKV, mS, mCu, mCuC, gGO, sBuf, p, p, p, rows_per_thread, row, t0, lo, hi,
+                                     n_real, col_ok, cv, tidx)
             for it in cutlass.range(rows_per_thread, unroll=1):
-                nrow = row + lanes
-                nseg = seg
-                nblk = blk
-                nown0 = own0
-                nhas_prev = has_prev
-                last_blk = False  # this row is its segment's last block
-                seg_end = t1  # and its segment's end token
-                if cutlass.const_expr(cursor):
-                    last_blk = row - lo == hi - lo - 1
-                    if nrow >= hi:  # warp-uniform with warp_rows (the warp shares the row)
-                        t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, nrow, self.warp_rows)
-                    nown0, nhas_prev = block_start(t0, nrow - lo, ratio, mKV.shape[0])
-                else:
-                    nseg, nblk, nown0, nhas_prev = row_block(mCu, mCuC, n_seg, nrow, ratio, mKV.shape[0],
-                                                             self.warp_rows)
                 slots = None
                 if cutlass.const_expr(staged):
-                    if it + 1 < rows_per_thread and nrow < n_real and col_ok:
-                        self.stage_row(mKV, mS, gGO, stage_slots(sBuf, (it + 1) % 2, tidx), nrow, nown0,
-                                       nhas_prev, cv)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(1)
-                    slots = stage_slots(sBuf, it % 2, tidx)
-                if row < n_real and col_ok:
-                    rS = cute.make_rmem_tensor((width, vec), Float32)
-                    rX = cute.make_rmem_tensor((width, vec), Float32)
-                    load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec, slots)
-                    rG = cute.make_rmem_tensor((vec,), Float32)
-                    if cutlass.const_expr(staged):
-                        rG.store(widen_bf16(slots[2 * width, None].load(), vec))
-                    else:
-                        rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
-                    rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
-                    rGS = cute.make_rmem_tensor((width, vec), BFloat16)
-                    for v in cutlass.range_constexpr(vec):
-                        g = rG[v]
-                        # rS <- p, rX <- p * dp, then the left-to-right sum S
-                        ssum = weights_and_products(rS, rX, v, width, softmax_column(rS, v, width), g)
-                        for k in cutlass.range_constexpr(width):
-                            gs = rX[k, v] - mul_rn(rS[k, v], ssum)
-                            if cutlass.const_expr(coff == 2 and k < ratio):
-                                # An invalid position (previous block of a first block) contributes
-                                # nothing, as in the reference; its computed gs is 0 for finite
-                                # inputs but NaN when den or S is (a NaN/Inf in the window).
-                                if not has_prev:
-                                    gs = Float32(0.0)
-                            rPart[k, v] = rPart[k, v] + gs
-                            rGS[k, v] = gs.to(BFloat16)
-                            rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
-                    wGKV = window_view(mGKV, own0, ratio, coff, vec)
-                    wGS = window_view(mGS, own0, ratio, coff, vec)
-                    for k in cutlass.range_constexpr(width):  # window row k, as in load_window
-                        if cutlass.const_expr(coff == 2 and k < ratio):
-                            if has_prev:
-                                wGKV[(0, None), (k, cv)].store(rGKV[k, None].load())
-                                wGS[(0, None), (k, cv)].store(rGS[k, None].load())
-                        else:
-                            colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-                            wGKV[(0, None), (k, colt)].store(rGKV[k, None].load())
-                            wGS[(0, None), (k, colt)].store(rGS[k, None].load())
-                    if cutlass.const_expr(cursor):
-                        if last_blk:
-                            self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
-                    else:
-                        n_blk = mCuC[seg + 1] - mCuC[seg]
-                        if blk == n_blk - 1:
-                            self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, mCu[seg + 1], cv)
-                row, seg, blk, own0, has_prev = nrow, nseg, nblk, nown0, nhas_prev
+                    self.stage_ahead(mKV, mS, mCu, mCuC, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
+                                     it + stages - 1, rows_per_thread, row, t0, lo, hi, n_real, col_ok, cv, tidx)
+                    cute.arch.cp_async_wait_group(stages - 1)
+                    slots = stage_slots(sBuf, it % stages, tidx)
+                this_row = row
+                own0, has_prev = block_start(t0, row - lo, ratio, n_tok)
+                last_blk = row - lo == hi - lo - 1
+                seg_end = t1
+                row = row + lanes
+                if row >= hi:
+                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
+                if this_row < n_real and col_ok:
+                    self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0, has_prev, cv)
+                    if last_blk:
+                        # its segment's last block: nobody consumes its first-half columns, nor the tail
+                        self.zero_unconsumed(mGKV, mGS, gGKV, gGS, own0, seg_end, cv)
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
@@ -152,15 +103,80 @@ class WindowBackward(BackwardKernel):
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
 
     @cute.jit
-    def zero_unconsumed(self, wGKV, wGS, gGKV, gGS, own0, seg_end, cv):
+    def compute_row(self, mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, row, own0, has_prev, cv):
+        """One row's window: recompute the softmax, store its disjoint grad_kv / grad_score slots
+        and add its grad_ape contributions to ``rPart``. kv, score and grad_out come from this
+        thread's staged ``slots`` (or from global without staging)."""
+        ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
+        rS = cute.make_rmem_tensor((width, vec), Float32)
+        rX = cute.make_rmem_tensor((width, vec), Float32)
+        load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec, slots)
+        rG = cute.make_rmem_tensor((vec,), Float32)
+        if cutlass.const_expr(slots is not None):
+            rG.store(widen_bf16(slots[2 * width, None].load(), vec))
+        else:
+            rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
+        rGKV = cute.make_rmem_tensor((width, vec), BFloat16)
+        rGS = cute.make_rmem_tensor((width, vec), BFloat16)
+        for v in cutlass.range_constexpr(vec):
+            g = rG[v]
+            # rS <- p, rX <- p * dp, then the left-to-right sum S
+            ssum = weights_and_products(rS, rX, v, width, softmax_column(rS, v, width), g)
+            for k in cutlass.range_constexpr(width):
+                gs = rX[k, v] - mul_rn(rS[k, v], ssum)
+                if cutlass.const_expr(coff == 2 and k < ratio):
+                    # An invalid position (previous block of a first block) contributes nothing,
+                    # as in the reference; its computed gs is 0 for finite inputs but NaN when den
+                    # or S is (a NaN/Inf in the window).
+                    if not has_prev:
+                        gs = Float32(0.0)
+                rPart[k, v] = rPart[k, v] + gs
+                rGS[k, v] = gs.to(BFloat16)
+                rGKV[k, v] = mul_rn(g, rS[k, v]).to(BFloat16)
+        wGKV = window_view(mGKV, own0, ratio, coff, vec)
+        wGS = window_view(mGS, own0, ratio, coff, vec)
+        for k in cutlass.range_constexpr(width):  # window row k, as in load_window
+            if cutlass.const_expr(coff == 2 and k < ratio):
+                if has_prev:
+                    wGKV[(0, None), (k, cv)].store(rGKV[k, None].load())
+                    wGS[(0, None), (k, cv)].store(rGS[k, None].load())
+            else:
+                colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
+                wGKV[(0, None), (k, colt)].store(rGKV[k, None].load())
+                wGS[(0, None), (k, colt)].store(rGS[k, None].load())
+
+    @cute.jit
+    def zero_unconsumed(self, mGKV, mGS, gGKV, gGS, own0, seg_end, cv):
         """A segment's last block: nobody consumes its first-half columns, nor the tail tokens
         up to ``seg_end``."""
         ratio, coff, vec, n_vec = self.ratio, self.coff, self.vec, self.n_vec
         if cutlass.const_expr(coff == 2):
+            wGKV = window_view(mGKV, own0, ratio, coff, vec)
+            wGS = window_view(mGS, own0, ratio, coff, vec)
             for i in cutlass.range_constexpr(ratio):
                 store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
                 store_zeros(wGS, ratio + i, cv, vec, BFloat16)
         zero_tokens(gGKV, gGS, own0 + ratio, seg_end, 1, cv, coff, n_vec, vec)
+
+    @cute.jit
+    def stage_ahead(self, mKV, mS, mCu, mCuC, gGO, sBuf, stage, ahead: cutlass.Constexpr, index, rows_per_thread,
+                    row, t0, lo, hi, n_real, col_ok, cv, tidx):
+        """Start the copies of the row ``ahead`` of this thread's ``row`` (the thread's row number
+        ``index``) into ``stage``, committed as one cp.async group (empty past its rows).
+
+        ``row``'s segment (``t0``, ``lo``, ``hi``) places it unless it lies past that segment's end;
+        then it takes a lookup of its own (with ``warp_rows`` the warp shares the row and votes
+        together), so the thread keeps one row cursor, not one per stage."""
+        srow = row + ahead * self.sched.row_lanes
+        if index < rows_per_thread and srow < n_real:
+            s0 = t0
+            slo = lo
+            if srow >= hi:
+                s0, slo, _, _ = row_span(mCu, mCuC, mCu.shape[0] - 1, srow, self.warp_rows)
+            if col_ok:
+                own0, has_prev = block_start(s0, srow - slo, self.ratio, mKV.shape[0])
+                self.stage_row(mKV, mS, gGO, stage_slots(sBuf, stage, tidx), srow, own0, has_prev, cv)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv):
