@@ -464,16 +464,16 @@ def stage_chunk(gKV: cute.Tensor, gS: cute.Tensor, slots: cute.Tensor, own0: Int
             copy_async(gKV[(0, None), (tok, colt)], slots[i, None], vec)
             copy_async(gS[(0, None), (tok, colt)], slots[chunk + i, None], vec)
         else:
-            stage_invalid(slots, i, chunk, vec)
+            stage_invalid(slots, i, vec)
 
 
 @cute.jit
-def stage_invalid(slots: cute.Tensor, i: cutlass.Constexpr, width: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Slot ``i`` of a position outside the window or the pack: kv 0 and score -inf (zero weight)
-    stored into the thread's own slots, so the gather from them needs no per-position test
-    (a test there made every value carry a default through a branch)."""
+def stage_invalid(slots: cute.Tensor, i: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Slot ``i`` of a position outside the window or the pack: kv 0 stored into the thread's own
+    kv slot, so the gather from the slots needs no per-position test (a test there made every
+    value carry a default through a branch). Its score slot stays stale: the gather sets such
+    scores to -inf itself (``gather_scores``), as it must anyway to keep ape out of them."""
     slots[i, None].store(cute.full((vec,), 0.0, BFloat16))
-    slots[width + i, None].store(cute.full((vec,), -float("inf"), BFloat16))
 
 
 @cute.jit

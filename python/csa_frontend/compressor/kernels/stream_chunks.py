@@ -69,7 +69,7 @@ def stage_uniform_chunk(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, t
             copy_async(wS[(0, None), (i, colt)], slots[chunk + i, None], vec)
     else:
         for i in cutlass.range_constexpr(chunk):
-            stage_invalid(slots, i, chunk, vec)
+            stage_invalid(slots, i, vec)
 
 
 @cute.jit
@@ -78,16 +78,17 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
                   ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr,
                   vec: cutlass.Constexpr, staged):
     """``rS`` = score + ape (ape from the registers ``rA``), ``rX`` = kv for the chunk's
-    positions; invalid positions get -inf / 0. Staged, the slots already hold 0 / -inf (the
-    staging wrote them, ``stage_invalid``): every position is gathered without a test (a
+    positions; invalid positions get -inf / 0. Staged, their kv slots already hold 0 (the
+    staging wrote it, ``stage_invalid``): every position is gathered without a test (a
     per-position branch made every value carry a default through it), then a branch that only
-    first blocks and padding chunks take resets their scores, keeping ape out. From global
+    first blocks and padding chunks take sets their scores to -inf (whatever their stale score
+    slots and ape hold). From global
     memory, chunks inside one window half (``chunk`` divides ``ratio``) take one validity test
     and one base address; others go position by position."""
     if cutlass.const_expr(staged is not None):
         for i in cutlass.range_constexpr(chunk):
             _gather_one(mKV, mS, rA, rS, rX, staged, i, None, None, chunk, vec)
-        # -inf whatever ape holds there (-inf + inf would be NaN); a branch taken only by first
+        # -inf whatever the stale score slot and ape hold there; a branch taken only by first
         # blocks and padding chunks
         if cutlass.const_expr(ratio % chunk == 0):
             if not chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)[3]:
