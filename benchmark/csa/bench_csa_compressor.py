@@ -6,7 +6,8 @@ the device-to-device copy bandwidth measured in the same run), the fraction of t
 reached, and the host wall clock per call without graphs. Prints a table, writes JSON and a
 PNG chart.
 
-    python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|r128] [--out DIR]
+    python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|i,j,...] [--out DIR]
+        [--providers fused,eager] [--directions fwd,bwd]
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def wall_us(fn, n=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
-def bench_shape(shape, bw, providers):
+def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
     seg, seqlen, ratio, coff, d = shape
     n_tok = seg * seqlen
     per_set = traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd")
@@ -138,7 +139,7 @@ def bench_shape(shape, bw, providers):
     res = {"shape": shape_name(shape), "tokens": n_tok, "rows": n_rows}
     kw = dict(ratio=ratio, coff=coff, head_dim=d)
     reason = kernels.unsupported_reason(ratio, coff, d, "sm_90a")
-    for direction in ("fwd", "bwd"):
+    for direction in directions:
         nbytes = traffic_bytes(n_tok, n_rows, coff, d, direction)
         res[f"{direction}_floor_us"] = nbytes / bw * 1e6
         if reason is None and "fused" in providers:
@@ -193,6 +194,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all", help="all, r4 (small-ratio rows) or a comma list of indices")
     ap.add_argument("--providers", default="fused,eager")
+    ap.add_argument("--directions", default="fwd,bwd", help="fused directions to time (A/B runs of one kernel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     shapes = SHAPES
@@ -205,7 +207,7 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = []
     for s in shapes:
-        r = bench_shape(s, bw, providers)
+        r = bench_shape(s, bw, providers, args.directions.split(","))
         results.append(r)
         print(json.dumps(r), flush=True)
     hdr = f"{'shape':26s} {'fl fwd':>7s} {'fused':>7s} {'%fl':>5s} {'eager':>7s} | {'fl bwd':>7s} {'fused':>7s} {'%fl':>5s} {'eager':>7s} | wall fwd"

@@ -103,3 +103,17 @@ def test_programmatic_dependent_launch_only_from_sm90(arch, pdl):
     """griddepcontrol needs sm_90+: older or unnamed targets get plain launches (the sm_80
     compiles in test_compiles would fail in ptxas otherwise)."""
     assert dispatch.uses_pdl(arch) == (pdl and dispatch.PDL)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512)])
+def test_window_backward_pipeline_depth_knob_compiles(ratio, coff, head_dim, monkeypatch):
+    """CSA_FRONTEND_WINDOW_BWD_STAGES beyond the default 2 (a tuning knob: the staging ring and
+    the cp.async waits follow the stage count) still compiles; built uncached, as the cache key
+    does not carry the knob (it is read once at import)."""
+    from csa_frontend.compressor.kernels import schedule
+    monkeypatch.setitem(schedule.WINDOW_BWD_STAGES, f"c{coff}", 3)
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "window"
+    main, reduce, _ = dispatch._build_backward(ratio, coff, head_dim, sched, "sm_90a")
+    assert main is not None and reduce is not None
