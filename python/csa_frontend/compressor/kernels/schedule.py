@@ -54,8 +54,9 @@ BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
 #: Register-window backward: cp.async pipeline stages per coff (a thread's rows in flight:
 #: ``stages - 1`` ahead of the one it computes). Measured on the H200 (NOTES row 45): 3 stages
 #: were slower for coff 2 (3x8192 r4 c2 d512 66.2 -> 72.2 us, 1x65536 157 -> 174; suspected: two CTAs of
-#: 104 KB leave L1 too small for the ape rows every row re-reads) and within noise for coff 1
-#: (3 or 4 stages: 36.1 -> 35.6-36.2 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_BWD_STAGES="c1=2,c2=2".
+#: 104 KB leave L1 too small for the ape rows every row re-reads; with L1-bypassing 16-byte copies
+#: a third stage only broke even, row 48) and within noise for coff 1 (3 or 4 stages: 36.1 ->
+#: 35.6-36.2 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_BWD_STAGES="c1=2,c2=2".
 WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_STAGES")
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
