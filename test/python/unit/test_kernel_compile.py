@@ -5,6 +5,8 @@ coff 1/2, several column tiles; stream family with the threads < columns combine
 last chunks and vec 4/2/1; the deterministic backward with its slab reduction and the atomic
 one. A kernel that stops compiling fails CI before anyone reaches a GPU.
 """
+import re
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -103,6 +105,53 @@ def test_programmatic_dependent_launch_only_from_sm90(arch, pdl):
     """griddepcontrol needs sm_90+: older or unnamed targets get plain launches (the sm_80
     compiles in test_compiles would fail in ptxas otherwise)."""
     assert dispatch.uses_pdl(arch) == (pdl and dispatch.PDL)
+
+
+def kernel_ptx(build, monkeypatch, tmp_path):
+    """PTX of every kernel one ``dispatch._build_*`` call compiles (the DSL also writes it to a
+    file, hence ``tmp_path``)."""
+    options = dispatch._options
+    monkeypatch.setattr(dispatch, "_options", lambda arch: f"{options(arch)} --keep-ptx --dump-dir={tmp_path}")
+    return [str(fn.artifacts.PTX) for fn in build() if fn is not None and hasattr(fn, "artifacts")]
+
+
+def entries(ptx):
+    """(name, body) of each kernel entry in a PTX text."""
+    parts = re.split(r"\.visible \.entry ", ptx)[1:]
+    return [(part.split("(", 1)[0], part) for part in parts]
+
+
+FIRST_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (128, 2, 512), (16, 2, 256)])
+def test_dependent_launches_wait_before_touching_memory(ratio, coff, head_dim, monkeypatch, tmp_path):
+    """Every kernel is launched as a programmatic dependent on sm_90+, so it may start while the
+    previous grid on the stream still runs: each must wait (``griddepcontrol.wait``) before its
+    first global load, store or copy, or it would read stale inputs. Checked on the PTX of the
+    forward, the backward and the slab reduction of both families."""
+    if not dispatch.PDL:
+        pytest.skip("CSA_FRONTEND_PDL=0: plain launches")
+    fwd_sched = choose_schedule(ratio, coff, head_dim, "fwd")
+    bwd_sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    ptx = kernel_ptx(lambda: dispatch._build_forward(ratio, coff, head_dim, fwd_sched, "sm_90a")[:1]
+                     + dispatch._build_backward(ratio, coff, head_dim, bwd_sched, "sm_90a")[:2],
+                     monkeypatch, tmp_path)
+    kernels = [entry for text in ptx for entry in entries(text)]
+    assert len(kernels) == 3, [name for name, _ in kernels]
+    for name, body in kernels:
+        wait = body.find("griddepcontrol.wait")
+        first = FIRST_GLOBAL_ACCESS.search(body)
+        assert wait >= 0, f"{name}: no griddepcontrol.wait"
+        assert first is not None and wait < first.start(), f"{name}: global access before the wait"
+
+
+@pytest.mark.L1
+def test_no_dependent_launch_before_sm90(monkeypatch, tmp_path):
+    sched = choose_schedule(4, 2, 128, "bwd")
+    ptx = kernel_ptx(lambda: dispatch._build_backward(4, 2, 128, sched, "sm_80")[:2], monkeypatch, tmp_path)
+    assert ptx and not any("griddepcontrol" in text for text in ptx)
 
 
 @pytest.mark.L1

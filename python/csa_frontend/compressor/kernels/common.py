@@ -160,12 +160,32 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
-        self.pdl = pdl  # backward only: lets the slab reduction launch early (``uses_pdl``)
+        self.pdl = pdl  # programmatic dependent launch (``uses_pdl``, ``enter_grid``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
         # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per
         # SM instead of 4: 38 -> 48 us on the H200), for a lookup it makes once per CTA row.
         self.warp_rows = sched.family == "window" and sched.col_threads % 32 == 0
+
+
+@cute.jit
+def enter_grid(pdl: cutlass.Constexpr, release: cutlass.Constexpr = True):
+    """First statement of every kernel launched as a programmatic dependent (``pdl``): wait
+    until the previous grid on the stream has finished and flushed, before the first global
+    access (inputs may be its outputs; buffers it still reads may be ours to write). With
+    ``release``, first let the next grid launch now (it waits for this one in turn). What
+    overlaps is launch latency and CTA start-up, not work."""
+    if cutlass.const_expr(pdl):
+        if cutlass.const_expr(release):
+            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
+def release_dependents(pdl: cutlass.Constexpr):
+    """Let the next grid launch (a kernel that chose ``enter_grid(pdl, release=False)``)."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
 
 
 class BackwardKernel(PoolingKernel):
@@ -195,6 +215,7 @@ class BackwardKernel(PoolingKernel):
             grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
+            use_pdl=self.pdl,
         )
 
 

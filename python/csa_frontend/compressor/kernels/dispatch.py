@@ -138,10 +138,11 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"])
+    pdl = uses_pdl(arch)
     if sched.family == "window":
-        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched), *args, stream, options=_options(arch))
+        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
         return fn, sched
-    fn = cute.compile(StreamForward(ratio, coff, head_dim, sched), *args, cutlass.Int32(1), stream,
+    fn = cute.compile(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1), stream,
                       options=_options(arch))
     return fn, sched
 
@@ -160,7 +161,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     family = WindowBackward if sched.family == "window" else StreamBackward
-    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch) and not atomic)
+    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch))
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
                         f["slab"], one, one, one, stream, options=_options(arch))

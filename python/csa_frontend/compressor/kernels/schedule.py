@@ -285,9 +285,11 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
     return max(1, -(-n_segments // sched.row_lanes))
 
 
-#: Programmatic dependent launch of the grad_ape slab reduction: the backward kernel lets it
-#: launch at once and it waits (``griddepcontrol.wait``) for the backward grid to finish and
-#: flush, so its launch latency hides behind the backward. Tuning knob (A/B), CSA_FRONTEND_PDL=0.
+#: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream
+#: launch at once and waits (``griddepcontrol.wait``) for the previous one to finish and flush
+#: before its first global access, so launch latency and CTA start-up hide behind the previous
+#: grid's tail (the grad_ape slab reduction behind the backward, a call behind the one before).
+#: Tuning knob (A/B), CSA_FRONTEND_PDL=0.
 PDL = os.environ.get("CSA_FRONTEND_PDL", "1") == "1"
 #: grad_ape slab reduction: warps per CTA, and slabs one warp chain sums before the slab axis
 #: is split over more warps.

@@ -25,8 +25,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact, row_span,
-                     safe_max, stage_buffers, stage_slots, store_partial, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact,
+                     enter_grid, row_span, safe_max, stage_buffers, stage_slots, store_partial,
+                     zero_fill_cta, zero_tokens)
 from .schedule import STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
@@ -94,8 +95,7 @@ class StreamBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_cta, row_groups, zero_ctas):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
+        enter_grid(self.pdl)
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio
         ct, n_chunks = self.sched.col_threads, self.sched.row_lanes

@@ -24,8 +24,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, can_stage, exp2_half_squared, fma_rn, row_span, safe_max,
-                     stage_buffers, stage_slots)
+from .common import (PoolingKernel, block_start, can_stage, enter_grid, exp2_half_squared, fma_rn,
+                     row_span, safe_max, stage_buffers, stage_slots)
 from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
                             warp_chunks_max, warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
@@ -86,10 +86,12 @@ class StreamForward(PoolingKernel):
             grid=((mOut.shape[0] + rows_per_cta - 1) // rows_per_cta, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta):
+        enter_grid(self.pdl)
         vec, n_vec, chunk = self.vec, self.n_vec, self.sched.chunk
         ct, threads = self.sched.col_threads, self.sched.threads
         per_warp = chunks_per_warp(ct)

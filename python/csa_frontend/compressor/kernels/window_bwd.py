@@ -20,9 +20,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, load_window, mul_rn, row_span,
-                     softmax_column, stage_buffers, stage_slots, stage_window, store_partial, store_zeros,
-                     weights_and_products, widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .common import (BackwardKernel, block_start, can_stage, copy_async, enter_grid, load_window,
+                     mul_rn, row_span, softmax_column, stage_buffers, stage_slots, stage_window,
+                     store_partial, store_zeros, weights_and_products, widen_bf16, window_view,
+                     zero_fill_cta, zero_tokens)
 from .schedule import WINDOW_BWD_STAGES
 
 
@@ -38,8 +39,7 @@ class WindowBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_thread, row_groups, zero_ctas):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the slab reduction may launch (it waits)
+        enter_grid(self.pdl)
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         ct, lanes = self.sched.col_threads, self.sched.row_lanes
         tidx, _, _ = cute.arch.thread_idx()

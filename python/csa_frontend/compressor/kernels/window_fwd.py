@@ -18,8 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from .common import (PoolingKernel, block_start, div_exact, load_window, mul_rn, row_start,
-                     softmax_column)
+from .common import (PoolingKernel, block_start, div_exact, enter_grid, load_window, mul_rn,
+                     row_start, softmax_column)
 
 
 class WindowForward(PoolingKernel):
@@ -42,10 +42,12 @@ class WindowForward(PoolingKernel):
             grid=((n_rows + lanes - 1) // lanes, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
+        enter_grid(self.pdl)
         vec, n_vec, width = self.vec, self.n_vec, self.width
         ct = self.sched.col_threads
         tidx, _, _ = cute.arch.thread_idx()
