@@ -154,6 +154,45 @@ def test_bitwise_deterministic(coff):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (128, 2, 128), (16, 1, 256)])
+def test_back_to_back_calls_see_their_neighbours_writes(ratio, coff, head_dim):
+    """Every kernel is a programmatic dependent launch on sm_90+: it may start while the kernel
+    before it on the stream still runs, and must wait before touching memory. Here each call's
+    inputs are rewritten in place by the kernel right before it, and its outputs read by the
+    kernel right after it and overwritten by the next call: every call must give exactly the
+    bits of an isolated, synchronised call on the same data (a stale read shows the previous
+    set's values)."""
+    cu, comp = offsets([8192, 3 * ratio + 1, 4096], ratio)
+    n_tok, total = int(cu[-1]), int(comp[-1])
+    sets = []
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(100 + seed)
+        kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim, generator=g)
+        grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+        out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+        grads = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+        torch.cuda.synchronize()
+        sets.append(((kv, score, ape, grad_out), (out, *grads)))
+    kv, score, ape, grad_out = (torch.empty_like(t) for t in sets[0][0])
+    out = torch.empty(total, head_dim, device="cuda", dtype=torch.bfloat16)
+    gkv, gs, gape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    seen = []
+    for i in range(9):
+        inputs, _ = sets[i % 3]
+        for dst, src in zip((kv, score, ape), inputs):
+            dst.copy_(src)
+        kernels.forward(kv, score, ape, cu, comp, out, ratio=ratio, coff=coff, head_dim=head_dim)
+        grad_out.copy_(inputs[3])
+        kernels.backward(kv, score, ape, cu, comp, grad_out, gkv, gs, gape, ratio=ratio, coff=coff,
+                         head_dim=head_dim)
+        seen.append(tuple(t.clone() for t in (out, gkv, gs, gape)))
+    torch.cuda.synchronize()
+    for i, got in enumerate(seen):
+        for name, a, b in zip(("out", "grad_kv", "grad_score", "grad_ape"), got, sets[i % 3][1]):
+            assert torch.equal(a, b), f"call {i}: {name} differs from the isolated call"
+
+
+@pytest.mark.L1
 def test_cuda_graph_replay():
     ratio, coff, d = 4, 2, 128
     cu, comp = offsets([300, 77, 1024], ratio)
