@@ -140,7 +140,8 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"])
     pdl = uses_pdl(arch)
     if sched.family == "window":
-        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
+        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched, pdl=pdl), *args, stream,
+                          options=_options(arch))
         return fn, sched
     fn = cute.compile(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1), stream,
                       options=_options(arch))
