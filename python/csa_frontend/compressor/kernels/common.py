@@ -169,6 +169,13 @@ class PoolingKernel:
 
 
 @cute.jit
+def release_dependents(pdl: cutlass.Constexpr):
+    """Let the next grid launch (a kernel that chose ``enter_grid(pdl, release=False)``)."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def enter_grid(pdl: cutlass.Constexpr, release: cutlass.Constexpr = True):
     """First statement of every kernel launched as a programmatic dependent (``pdl``): wait
     until the previous grid on the stream has finished and flushed, before the first global
@@ -177,15 +184,8 @@ def enter_grid(pdl: cutlass.Constexpr, release: cutlass.Constexpr = True):
     overlaps is launch latency and CTA start-up, not work."""
     if cutlass.const_expr(pdl):
         if cutlass.const_expr(release):
-            cute.arch.griddepcontrol_launch_dependents()
+            release_dependents(pdl)
         cute.arch.griddepcontrol_wait()
-
-
-@cute.jit
-def release_dependents(pdl: cutlass.Constexpr):
-    """Let the next grid launch (a kernel that chose ``enter_grid(pdl, release=False)``)."""
-    if cutlass.const_expr(pdl):
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 class BackwardKernel(PoolingKernel):

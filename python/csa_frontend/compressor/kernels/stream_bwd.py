@@ -2,9 +2,8 @@
 
 Per row, two phases, each ending in a barrier: (1) the window max, as shuffle maxima over a
 warp's chunks, then over the warps' maxima in shared memory (exact, so every thread holds the
-same max); (2)
-``den = sum e`` and ``T = sum e * dp`` with ``dp = g * kv``, summed down each warp in chunk order
-and then over the warps. The warps' partials sit in shared memory as ``[group, column thread,
+same max); (2) ``den = sum e`` and ``T = sum e * dp`` with ``dp = g * kv``, summed down each
+warp in chunk order and then over the warps. The warps' partials sit in shared memory as ``[group, column thread,
 vec]`` and the chunk lanes of a warp split the groups between them and finish with a
 butterfly (``combine_groups``): fixed orders, so the bits are reproducible. In CTAs of
 ``STREAM_BWD_COMBINE_GROUPS`` or more warp groups only warps 0 and 1 combine, and the others

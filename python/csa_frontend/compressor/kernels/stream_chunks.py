@@ -82,9 +82,8 @@ def gather_scores(mKV: cute.Tensor, mS: cute.Tensor, rA: cute.Tensor, rS: cute.T
     staging wrote it, ``stage_invalid``): every position is gathered without a test (a
     per-position branch made every value carry a default through it), then a branch that only
     first blocks and padding chunks take sets their scores to -inf (whatever their stale score
-    slots and ape hold). From global
-    memory, chunks inside one window half (``chunk`` divides ``ratio``) take one validity test
-    and one base address; others go position by position."""
+    slots and ape hold). From global memory, chunks inside one window half (``chunk`` divides
+    ``ratio``) take one validity test and one base address; others go position by position."""
     if cutlass.const_expr(staged is not None):
         for i in cutlass.range_constexpr(chunk):
             _gather_one(mKV, mS, rA, rS, rX, staged, i, None, None, chunk, vec)

@@ -74,12 +74,12 @@ class WindowBackward(BackwardKernel):
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
-                    self.stage_ahead(mKV, mS, mCu, mCuC, gGO, sBuf, p, p, p, rows_per_thread, row, t0, lo, hi,
-                                     n_real, col_ok, cv, tidx)
+                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, t0, lo,
+                                     hi, n_real, col_ok, cv, tidx)
             for it in cutlass.range(rows_per_thread, unroll=1):
                 slots = None
                 if cutlass.const_expr(staged):
-                    self.stage_ahead(mKV, mS, mCu, mCuC, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
+                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
                                      it + stages - 1, rows_per_thread, row, t0, lo, hi, n_real, col_ok, cv, tidx)
                     cute.arch.cp_async_wait_group(stages - 1)
                     slots = stage_slots(sBuf, it % stages, tidx)
@@ -91,10 +91,11 @@ class WindowBackward(BackwardKernel):
                 if row >= hi:
                     t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
                 if this_row < n_real and col_ok:
-                    self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0, has_prev, cv)
+                    wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0,
+                                                 has_prev, cv)
                     if last_blk:
                         # its segment's last block: nobody consumes its first-half columns, nor the tail
-                        self.zero_unconsumed(mGKV, mGS, gGKV, gGS, own0, seg_end, cv)
+                        self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
         else:
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
@@ -106,7 +107,8 @@ class WindowBackward(BackwardKernel):
     def compute_row(self, mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, row, own0, has_prev, cv):
         """One row's window: recompute the softmax, store its disjoint grad_kv / grad_score slots
         and add its grad_ape contributions to ``rPart``. kv, score and grad_out come from this
-        thread's staged ``slots`` (or from global without staging)."""
+        thread's staged ``slots`` (or from global without staging). Returns the window views of
+        grad_kv and grad_score it stored through."""
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         rS = cute.make_rmem_tensor((width, vec), Float32)
         rX = cute.make_rmem_tensor((width, vec), Float32)
@@ -144,23 +146,22 @@ class WindowBackward(BackwardKernel):
                 colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
                 wGKV[(0, None), (k, colt)].store(rGKV[k, None].load())
                 wGS[(0, None), (k, colt)].store(rGS[k, None].load())
+        return wGKV, wGS
 
     @cute.jit
-    def zero_unconsumed(self, mGKV, mGS, gGKV, gGS, own0, seg_end, cv):
-        """A segment's last block: nobody consumes its first-half columns, nor the tail tokens
-        up to ``seg_end``."""
+    def zero_unconsumed(self, wGKV, wGS, gGKV, gGS, own0, seg_end, cv):
+        """A segment's last block (window views ``wGKV``, ``wGS`` from ``compute_row``): nobody
+        consumes its first-half columns, nor the tail tokens up to ``seg_end``."""
         ratio, coff, vec, n_vec = self.ratio, self.coff, self.vec, self.n_vec
         if cutlass.const_expr(coff == 2):
-            wGKV = window_view(mGKV, own0, ratio, coff, vec)
-            wGS = window_view(mGS, own0, ratio, coff, vec)
             for i in cutlass.range_constexpr(ratio):
                 store_zeros(wGKV, ratio + i, cv, vec, BFloat16)
                 store_zeros(wGS, ratio + i, cv, vec, BFloat16)
         zero_tokens(gGKV, gGS, own0 + ratio, seg_end, 1, cv, coff, n_vec, vec)
 
     @cute.jit
-    def stage_ahead(self, mKV, mS, mCu, mCuC, gGO, sBuf, stage, ahead: cutlass.Constexpr, index, rows_per_thread,
-                    row, t0, lo, hi, n_real, col_ok, cv, tidx):
+    def stage_ahead(self, mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, stage, ahead: cutlass.Constexpr, index,
+                    rows_per_thread, row, t0, lo, hi, n_real, col_ok, cv, tidx):
         """Start the copies of the row ``ahead`` of this thread's ``row`` (the thread's row number
         ``index``) into ``stage``, committed as one cp.async group (empty past its rows).
 
@@ -172,7 +173,7 @@ class WindowBackward(BackwardKernel):
             s0 = t0
             slo = lo
             if srow >= hi:
-                s0, slo, _, _ = row_span(mCu, mCuC, mCu.shape[0] - 1, srow, self.warp_rows)
+                s0, slo, _, _ = row_span(mCu, mCuC, n_seg, srow, self.warp_rows)
             if col_ok:
                 own0, has_prev = block_start(s0, srow - slo, self.ratio, mKV.shape[0])
                 self.stage_row(mKV, mS, gGO, stage_slots(sBuf, stage, tidx), srow, own0, has_prev, cv)
