@@ -112,6 +112,18 @@ def test_many_short_segments():
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("n_seg", [31, 32, 33, 1100])
+def test_segment_lookup_rounds(n_seg):
+    """The warp-wide row lookup finishes in one round up to 31 segments, two up to 1023, three
+    beyond: segment counts on both sides of each, with empty segments (also at the end), short
+    ones and padding rows."""
+    g = torch.Generator().manual_seed(n_seg)
+    lengths = torch.randint(0, 24, (n_seg,), generator=g).tolist()
+    lengths[0], lengths[-2], lengths[-1] = 0, 9, 0
+    check_config(4, 2, 128, lengths, pad_rows=3, seed=n_seg)
+
+
+@pytest.mark.L1
 def test_padding_gradients_ignored():
     ratio, coff, d = 4, 2, 128
     cu, comp = offsets([33, 17], ratio)

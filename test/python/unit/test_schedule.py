@@ -190,3 +190,22 @@ def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, on
 def test_combine_knob_off_means_every_warp_combines(monkeypatch):
     monkeypatch.setattr(sch, "STREAM_BWD_COMBINE_GROUPS", 0)
     assert not sch.combines_once_per_cta(sch.choose_schedule(128, 2, 512, "bwd"))
+
+
+@pytest.mark.parametrize("head_dim,tile", [(64, True), (128, True), (192, True), (256, True), (512, False),
+                                           (4096, False)])
+def test_window_backward_stages_ape_for_narrow_heads(head_dim, tile):
+    """The ape tile goes where a CTA holds at least 4 row lanes (measured faster there, mixed at 2)."""
+    sched = sch.choose_schedule(4, 2, head_dim, "bwd")
+    assert sched.family == "window"
+    assert sch.stages_ape_tile(sched) is tile
+    assert (sched.row_lanes >= 4) is tile
+
+
+def test_ape_tile_knob(monkeypatch):
+    sched = sch.choose_schedule(4, 2, 512, "bwd")
+    monkeypatch.setattr(sch, "WINDOW_BWD_APE_TILE_LANES", 1)
+    assert sch.stages_ape_tile(sched)
+    monkeypatch.setattr(sch, "WINDOW_BWD_APE_TILE_LANES", 0)
+    assert not sch.stages_ape_tile(sch.choose_schedule(4, 2, 128, "bwd"))
+    assert not sch.stages_ape_tile(sch.choose_schedule(128, 2, 128, "bwd"))

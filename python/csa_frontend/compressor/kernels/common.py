@@ -298,6 +298,7 @@ def load_window(
     n_vec: cutlass.Constexpr,
     vec: cutlass.Constexpr,
     staged=None,
+    ape_rows=None,
 ):
     """Gather one row's whole window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
 
@@ -307,7 +308,8 @@ def load_window(
     (measured in PTX), 6-10% of the nearly compute-bound forward on the H200. ``mKV``/``mS``
     are the whole (T, coff*d) inputs (see ``window_view``).
     With ``staged`` (this thread's ``stage_slots``) kv and score come from shared memory,
-    where ``stage_window`` copied them; ape still comes from global (L1-resident).
+    where ``stage_window`` copied them. ape comes from global (L1-resident) or, with
+    ``ape_rows`` (this thread's ``(coff*ratio, vec)`` view of ``stage_ape``), from shared memory.
     """
     wKV = window_view(mKV, own0, ratio, coff, vec)
     wS = window_view(mS, own0, ratio, coff, vec)
@@ -316,7 +318,7 @@ def load_window(
         if cutlass.const_expr(coff == 2 and k < ratio):
             # previous block, first-half columns, ape row k
             if has_prev:
-                gather_position(wKV, wS, gA, rS, rX, staged, k, cv, k, coff * ratio, vec)
+                gather_position(wKV, wS, gA, rS, rX, staged, k, cv, k, coff * ratio, vec, ape_rows)
             else:
                 for v in cutlass.range_constexpr(vec):
                     rS[k, v] = -Float32.inf
@@ -324,7 +326,7 @@ def load_window(
         else:
             i = k - ratio if cutlass.const_expr(coff == 2) else k
             colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-            gather_position(wKV, wS, gA, rS, rX, staged, k, colt, i, coff * ratio, vec)
+            gather_position(wKV, wS, gA, rS, rX, staged, k, colt, i, coff * ratio, vec, ape_rows)
 
 
 @cute.jit
@@ -345,11 +347,16 @@ def kv_and_score(gKV: cute.Tensor, gS: cute.Tensor, staged, slot: cutlass.Conste
 @cute.jit
 def gather_position(wKV: cute.Tensor, wS: cute.Tensor, gA: cute.Tensor, rS: cute.Tensor, rX: cute.Tensor,
                     staged, k: cutlass.Constexpr, colt: Int32, arow: cutlass.Constexpr,
-                    width: cutlass.Constexpr, vec: cutlass.Constexpr):
+                    width: cutlass.Constexpr, vec: cutlass.Constexpr, ape_rows=None):
     """``rS[k]`` = score + ape, ``rX[k]`` = kv of window row ``k`` (column slice ``colt``), kv
-    and score from the staged slots or straight from the window views."""
+    and score from the staged slots or straight from the window views, ape from ``ape_rows[k]``
+    or from global."""
     kvv, scv = kv_and_score(wKV, wS, staged, k, width, k, colt, vec)
-    apv = gA[(0, None), (arow, colt)].load()
+    apv = None
+    if cutlass.const_expr(ape_rows is not None):
+        apv = ape_rows[k, None].load()
+    else:
+        apv = gA[(0, None), (arow, colt)].load()
     for v in cutlass.range_constexpr(vec):
         rS[k, v] = scv[v] + apv[v]
         rX[k, v] = kvv[v]
@@ -377,6 +384,25 @@ def stage_slots(sBuf: cute.Tensor, stage: Int32, tidx: Int32) -> cute.Tensor:
     """One thread's ``(rows, vec)`` slots in one stage: kv rows ``[0, width)``, score rows
     ``[width, 2*width)``, then the extra rows."""
     return sBuf[stage, None, tidx, None]
+
+
+def ape_tile(width: int, col_threads: int, vec: int):
+    """A CTA's ape window in shared memory: ``(width, col_threads, vec)`` fp32, position-major,
+    so a warp's vectors of one position are consecutive (no bank conflicts)."""
+    return SmemAllocator().allocate_tensor(
+        Float32, cute.make_layout((width, col_threads, vec), stride=(col_threads * vec, vec, 1)), 16)
+
+
+@cute.jit
+def stage_ape(gA: cute.Tensor, sApe: cute.Tensor, col_ok: cutlass.Boolean, cv: Int32, cvl: Int32, lane: Int32,
+              lanes: cutlass.Constexpr, ratio: cutlass.Constexpr, coff: cutlass.Constexpr, n_vec: cutlass.Constexpr):
+    """Fill ``ape_tile`` once per CTA: window position ``k`` of column slice ``cvl`` holds ape row
+    ``k % ratio`` of the coff-half ``k // ratio``; the row lanes share the positions. The caller
+    synchronises the CTA before reading it."""
+    for k in cutlass.range_constexpr(coff * ratio):
+        if k % lanes == lane and col_ok:
+            colt = cv + n_vec if cutlass.const_expr(coff == 2 and k >= ratio) else cv
+            sApe[k, cvl, None].store(gA[(0, None), (k % ratio, colt)].load())
 
 
 @cute.jit

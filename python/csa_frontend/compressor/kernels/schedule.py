@@ -58,6 +58,15 @@ BWD_TARGET_CTAS = int(os.environ.get("CSA_FRONTEND_BWD_CTAS", "256"))
 #: a third stage only broke even, row 48) and within noise for coff 1 (3 or 4 stages: 36.1 ->
 #: 35.6-36.2 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_BWD_STAGES="c1=2,c2=2".
 WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_STAGES")
+#: Register-window backward: CTAs of at least this many row lanes stage their ape window once in
+#: shared memory (``stage_ape``) instead of re-reading it from global (L1) for every row. ncu on
+#: the H200 had put 37% of the 3x8192 r4 c2 d512 backward's warp samples on those loads. Measured
+#: (H200, same runs): with 4-8 row lanes (head_dim <= 256) 5-11% faster on every shape tried
+#: (3x8192 r4 c2 d128 21.7 -> 19.4 us, 64x1000 48.4 -> 46.6, 1x65536 r4 c2 d128 46.5 -> 42.9,
+#: 1x32768 r4 c2 d256 46.7 -> 44.3, r1/r2 c2 d128, r4 c1 d128); with 2 (d512) mixed: 3x8192 r4 c1
+#: d512 36.1 -> 34.4 but 1x65536 r4 c2 d512 157 -> 162, r1 c2 d512 73 -> 75.5. 1 stages it
+#: everywhere, 0 nowhere. Tuning knob, CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES.
+WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES", "4"))
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
 #: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
@@ -80,6 +89,12 @@ class Schedule:
     @property
     def threads(self) -> int:
         return self.col_threads * self.row_lanes
+
+
+def stages_ape_tile(sched: "Schedule") -> bool:
+    """Whether the register-window backward of ``sched`` reads ape from a shared-memory tile
+    (``WINDOW_BWD_APE_TILE_LANES``)."""
+    return sched.family == "window" and 0 < WINDOW_BWD_APE_TILE_LANES <= sched.row_lanes
 
 
 def vector_width(head_dim: int) -> int:

@@ -20,11 +20,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, copy_async, enter_grid, load_window,
-                     mul_rn, row_span, softmax_column, stage_buffers, stage_slots, stage_window,
-                     store_partial, store_zeros, weights_and_products, widen_bf16, window_view,
-                     zero_fill_cta, zero_tokens)
-from .schedule import WINDOW_BWD_STAGES
+from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_async, enter_grid,
+                     load_window, mul_rn, row_span, softmax_column, stage_ape, stage_buffers,
+                     stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
+                     widen_bf16, window_view, zero_fill_cta, zero_tokens)
+from .schedule import WINDOW_BWD_STAGES, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
@@ -56,6 +56,7 @@ class WindowBackward(BackwardKernel):
             staged = can_stage(vec)
             sBuf = stage_buffers(width, self.sched.threads, vec, 1, self.stages) if cutlass.const_expr(staged) else None
             gGO = cute.zipped_divide(mGO, (1, vec))
+            sApe = ape_tile(width, ct, vec) if cutlass.const_expr(stages_ape_tile(self.sched)) else None
             rPart = cute.make_rmem_tensor((width, vec), Float32)
             rPart.fill(0.0)
             n_real = mCuC[n_seg]
@@ -76,6 +77,14 @@ class WindowBackward(BackwardKernel):
                 for p in cutlass.range_constexpr(stages - 1):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, t0, lo,
                                      hi, n_real, col_ok, cv, tidx)
+            ape_rows = None
+            if cutlass.const_expr(sApe is not None):
+                # Every row re-reads the same ape window; from global (L1) those loads were the
+                # backward's main stall (``WINDOW_BWD_APE_TILE_LANES``). Filled while the first
+                # rows' copies are in flight.
+                stage_ape(gA, sApe, col_ok, cv, cvl, lane, lanes, ratio, coff, n_vec)
+                cute.arch.sync_threads()
+                ape_rows = sApe[None, cvl, None]
             for it in cutlass.range(rows_per_thread, unroll=1):
                 slots = None
                 if cutlass.const_expr(staged):
@@ -92,7 +101,7 @@ class WindowBackward(BackwardKernel):
                     t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
                 if this_row < n_real and col_ok:
                     wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0,
-                                                 has_prev, cv)
+                                                 has_prev, cv, ape_rows)
                     if last_blk:
                         # its segment's last block: nobody consumes its first-half columns, nor the tail
                         self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
@@ -104,15 +113,15 @@ class WindowBackward(BackwardKernel):
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
 
     @cute.jit
-    def compute_row(self, mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, row, own0, has_prev, cv):
+    def compute_row(self, mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, row, own0, has_prev, cv, ape_rows):
         """One row's window: recompute the softmax, store its disjoint grad_kv / grad_score slots
         and add its grad_ape contributions to ``rPart``. kv, score and grad_out come from this
-        thread's staged ``slots`` (or from global without staging). Returns the window views of
-        grad_kv and grad_score it stored through."""
+        thread's staged ``slots`` (or from global without staging), ape from ``ape_rows`` (or from
+        global). Returns the window views of grad_kv and grad_score it stored through."""
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         rS = cute.make_rmem_tensor((width, vec), Float32)
         rX = cute.make_rmem_tensor((width, vec), Float32)
-        load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec, slots)
+        load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, ratio, coff, n_vec, vec, slots, ape_rows)
         rG = cute.make_rmem_tensor((vec,), Float32)
         if cutlass.const_expr(slots is not None):
             rG.store(widen_bf16(slots[2 * width, None].load(), vec))
