@@ -112,11 +112,11 @@ def test_many_short_segments():
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("n_seg", [31, 32, 33, 1100])
+@pytest.mark.parametrize("n_seg", [31, 32, 33, 1024, 1025])
 def test_segment_lookup_rounds(n_seg):
-    """The warp-wide row lookup finishes in one round up to 31 segments, two up to 1023, three
-    beyond: segment counts on both sides of each, with empty segments (also at the end), short
-    ones and padding rows."""
+    """The warp-wide row lookup (``find_segment_warp``) takes one round up to 32 segments, two up
+    to 1024, three beyond: segment counts on both sides of each, with empty segments (first and
+    last), segments shorter than ratio and padding rows."""
     g = torch.Generator().manual_seed(n_seg)
     lengths = torch.randint(0, 24, (n_seg,), generator=g).tolist()
     lengths[0], lengths[-2], lengths[-1] = 0, 9, 0
