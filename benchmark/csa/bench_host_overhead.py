@@ -149,9 +149,11 @@ def wrapper_steps(p, ratio, coff, head_dim):
     kv, score, ape, cu, comp, rows, out = (p[k] for k in ("kv", "score", "ape", "cu", "comp", "rows", "out"))
     key = ("forward", kv.device, ratio, coff, None)
     fp = api._fast_plans[key]
-    fn, sched = dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim)
+    fn, sched, bulk = dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim)
     launch_args = (kv, score, ape, cu, comp, out)
-    if sched.family == "stream":
+    if bulk is not None and schedule.takes_bulk_forward(rows, bulk[1]):
+        fn, launch_args = bulk[0], launch_args + (schedule.bulk_stages_per_cta(rows, bulk[1]),)
+    elif sched.family == "stream":
         launch_args += (schedule.fwd_rows_per_cta(rows, sched),)
     return [
         ("fast-plan lookup", lambda: api._fast_plans.get(("forward", kv.device, ratio, coff, None))),

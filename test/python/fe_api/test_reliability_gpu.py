@@ -11,7 +11,7 @@ import csa_frontend.compressor.api as api
 from csa_frontend import (CSACompressorForward, csa_compress, csa_compressor_backward_wrapper,
                           csa_compressor_forward_wrapper)
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import choose_schedule, few_rows_schedule
+from csa_frontend.compressor.kernels.schedule import bulk_forward_schedule, choose_schedule, few_rows_schedule
 from csa_frontend.compressor.reference import build_windows, reference_backward, reference_forward
 from csa_frontend.compressor.plan import INT32_LIMIT
 from csa_testing import (BAD_OFFSETS, THREAD_CONFIGS, assert_contract, assert_like_reference,
@@ -71,7 +71,10 @@ def _keys_by_config():
     grouped = {}
     for key in dispatch.cache_keys():
         direction, key_arch, ratio, coff, head_dim, sched = key
-        planned = {choose_schedule(ratio, coff, head_dim, "fwd" if direction == "fwd" else "bwd")}
+        if direction == "fwd":  # the bulk-copy forward compiles with it, where the planner has one
+            planned = {choose_schedule(ratio, coff, head_dim, "fwd"), bulk_forward_schedule(ratio, coff, head_dim, arch)}
+        else:
+            planned = {choose_schedule(ratio, coff, head_dim, "bwd")}
         if direction != "fwd":  # the backward's row-count bucket compiles with it
             planned.add(few_rows_schedule(ratio, coff, head_dim))
         assert key_arch == arch and sched in planned, key
@@ -91,9 +94,13 @@ def test_concurrent_mixed_configurations_compile_each_once(fresh_kernel_cache, c
         assert_like_reference(pack, out, grads)
     grouped = _keys_by_config()
     assert set(grouped) == _expected_keys(THREAD_CONFIGS)
+    arch = dispatch.arch_of(torch.device("cuda"))
     for (direction, *cfg), per_config in grouped.items():  # one key per direction and schedule
-        few = direction != "fwd" and few_rows_schedule(*cfg) is not None
-        assert len(per_config) == 1 + few, (direction, cfg, per_config)
+        if direction == "fwd":
+            extra = bulk_forward_schedule(*cfg, arch) is not None
+        else:
+            extra = few_rows_schedule(*cfg) is not None
+        assert len(per_config) == 1 + extra, (direction, cfg, per_config)
     keys = [key for per_config in grouped.values() for key in per_config]
     for key in keys:  # the kernel layer logs each compile with its key
         compiles = [r for r in csa_log.records if isinstance(r.args, tuple) and key in r.args]

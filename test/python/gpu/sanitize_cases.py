@@ -18,14 +18,15 @@ from csa_frontend.compressor.reference import reference_backward, reference_forw
 from packs import edge_lengths, offsets, random_inputs
 
 # (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
-# the own-block window, and a ratio served by the stream family.
+# the own-block window, and a ratio served by the stream family; main() adds the bulk-copy
+# forward.
 CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 
-def run_case(ratio, coff, head_dim, stream=None):
+def run_case(ratio, coff, head_dim, stream=None, repeat=1):
     gen = torch.Generator(device="cuda").manual_seed(ratio + coff)
-    cu, comp = offsets(edge_lengths(ratio), ratio)
+    cu, comp = offsets(edge_lengths(ratio) * repeat, ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + SPARE_TOKENS, ratio, coff, head_dim, generator=gen)
     total = int(comp[-1]) + PADDING_ROWS
     grad_out = torch.randn(total, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
@@ -64,6 +65,11 @@ def main():
     for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
         run_case(*case)
         print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
+    # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
+    if schedule.bulk_forward_schedule(4, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
+        schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = 1, 3
+        run_case(4, 2, 512, repeat=4)
+        print("r4 c2 d512 (bulk-copy forward): ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
     torch.cuda.synchronize()

@@ -168,6 +168,10 @@ def test_bitwise_deterministic(coff):
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (128, 2, 128), (16, 1, 256)])
 def test_back_to_back_calls_see_their_neighbours_writes(ratio, coff, head_dim):
+    check_back_to_back(ratio, coff, head_dim)
+
+
+def check_back_to_back(ratio, coff, head_dim):
     """Every kernel is a programmatic dependent launch on sm_90+: it may start while the kernel
     before it on the stream still runs, and must wait before touching memory. Here each call's
     inputs are rewritten in place by the kernel right before it, and its outputs read by the
@@ -417,3 +421,85 @@ def test_window_rows_walked_per_thread(few_ctas, ratio, coff, head_dim):
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
 def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)
+
+
+# ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----
+
+@pytest.fixture
+def bulk_forward(monkeypatch):
+    """Every register-window forward with 16-byte token rows takes the bulk-copy kernel, whatever
+    its coff, head_dim or row count (the planner's thresholds there are measured speed, not
+    semantics). Yields the schedule module, for tests that also shrink the grid."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+    monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_MIN_STAGES", 1)
+    monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_MIN_HEAD_DIM", 0)
+    monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_COFFS", (1, 2))
+    schedule.bulk_forward_schedule.cache_clear()
+    dispatch.clear_cache()
+    yield schedule
+    schedule.bulk_forward_schedule.cache_clear()
+    dispatch.clear_cache()
+
+
+def ran_bulk_forward(ratio, coff, head_dim):
+    from csa_frontend.compressor.kernels import dispatch
+    return any(k[0] == "fwd" and k[2:5] == (ratio, coff, head_dim) and k[5].stages
+               for k in dispatch.cache_keys())
+
+
+def bulk_matrix_cases():
+    """ratio {1, 2, 3, 4, 8} x coff {1, 2} x head_dim {64, 128, 512} where the forward is of the
+    register-window family (r8 c2 streams its 16 positions)."""
+    from csa_frontend.compressor.kernels.schedule import choose_schedule
+    return [(r, c, d) for r in (1, 2, 3, 4, 8) for c in (1, 2) for d in (64, 128, 512)
+            if choose_schedule(r, c, d, "fwd").family == "window"]
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", bulk_matrix_cases())
+def test_bulk_forward_matrix(bulk_forward, ratio, coff, head_dim):
+    check_config(ratio, coff, head_dim, edge_lengths(ratio), pad_rows=3, seed=ratio * 10 + coff + head_dim)
+    assert ran_bulk_forward(ratio, coff, head_dim)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 2, 64), (1, 2, 512), (4, 1, 128)])
+def test_bulk_forward_long_walks(bulk_forward, monkeypatch, ctas, ratio, coff, head_dim):
+    """One or three CTAs walk every stage: the ring wraps many times (full and empty barrier
+    phases), a stage's first row takes its previous block from the stage before, the segment
+    cursor crosses empty, short and tail-only segments, and the last CTA gets a shorter run."""
+    monkeypatch.setattr(bulk_forward, "WINDOW_FWD_BULK_CTAS", ctas)
+    lengths = (edge_lengths(ratio) + [0, 2 * ratio, ratio - 1 if ratio > 1 else 3]) * 9
+    check_config(ratio, coff, head_dim, lengths, pad_rows=9, seed=ctas + ratio + head_dim)
+    assert ran_bulk_forward(ratio, coff, head_dim)
+
+
+@pytest.mark.L1
+def test_bulk_forward_only_padding_rows_in_a_cta(bulk_forward, monkeypatch):
+    """More padding rows than real ones: whole CTAs hold nothing but padding rows (segment 0's
+    first block), one CTA holds both."""
+    monkeypatch.setattr(bulk_forward, "WINDOW_FWD_BULK_CTAS", 8)
+    check_config(4, 2, 512, [17, 0, 9], pad_rows=40, seed=3)
+    assert ran_bulk_forward(4, 2, 512)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (1, 2, 512)])
+def test_bulk_forward_back_to_back(bulk_forward, ratio, coff, head_dim):
+    check_back_to_back(ratio, coff, head_dim)
+    assert ran_bulk_forward(ratio, coff, head_dim)
+
+
+@pytest.mark.L1
+def test_bulk_forward_by_default_on_long_packs():
+    """With the planner's own thresholds a long coff-2 head_dim-512 pack takes the bulk-copy
+    forward on sm_90+, and a short one the per-thread forward; both match the reference."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+    if schedule.bulk_forward_schedule(4, 2, 512, dispatch.arch_of(torch.device("cuda"))) is None:
+        pytest.skip("no bulk-copy forward on this GPU or with these knobs")
+    check_config(4, 2, 512, [40000, 5, 3001], pad_rows=2, seed=5)
+    assert ran_bulk_forward(4, 2, 512)
+    rows = (40000 + 3001) // 4 + 2
+    bulk = schedule.bulk_forward_schedule(4, 2, 512, dispatch.arch_of(torch.device("cuda")))
+    assert schedule.takes_bulk_forward(rows, bulk) and not schedule.takes_bulk_forward(2048, bulk)

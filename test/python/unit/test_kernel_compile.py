@@ -12,11 +12,12 @@ import pytest
 pytest.importorskip("cutlass")
 
 from csa_frontend.compressor.kernels import dispatch  # noqa: E402
-from csa_frontend.compressor.kernels.schedule import choose_schedule, few_rows_schedule  # noqa: E402
+from csa_frontend.compressor.kernels.schedule import (  # noqa: E402
+    bulk_forward_schedule, choose_schedule, few_rows_schedule)
 
 CONFIGS = [  # (ratio, coff, head_dim)
     (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
-    (16, 2, 256), (128, 2, 512), (256, 2, 65), (200, 2, 192), (33, 1, 66),
+    (16, 2, 256), (128, 2, 512), (256, 2, 65), (200, 2, 192), (33, 1, 66), (4, 2, 512), (2, 2, 1024),
 ]
 ARCHS = ["sm_90a", "sm_100a", "sm_80"]
 
@@ -34,6 +35,16 @@ def compile_all(ratio, coff, head_dim, arch):
     few = few_rows_schedule(ratio, coff, head_dim)
     for direction in ("bwd", "bwd_atomic"):
         assert ((direction, arch, ratio, coff, head_dim, few) in dispatch.cache_keys()) == (few is not None)
+    # and the bulk-copy forward with the forward (sm_90+ only)
+    bulk = bulk_forward_schedule(ratio, coff, head_dim, arch)
+    assert (("fwd", arch, ratio, coff, head_dim, bulk) in dispatch.cache_keys()) == (bulk is not None)
+    assert bulk is None or arch != "sm_80"
+
+
+@pytest.mark.L0
+def test_bulk_forward_is_covered():
+    for arch in ("sm_90a", "sm_100a"):
+        assert any(bulk_forward_schedule(*c, arch) is not None for c in CONFIGS)
 
 
 @pytest.mark.L0
@@ -125,21 +136,25 @@ FIRST_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.glob
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (128, 2, 512), (16, 2, 256)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (128, 2, 512), (16, 2, 256),
+                                               (4, 2, 512)])
 def test_dependent_launches_wait_before_touching_memory(ratio, coff, head_dim, monkeypatch, tmp_path):
     """Every kernel is launched as a programmatic dependent on sm_90+, so it may start while the
     previous grid on the stream still runs: each must wait (``griddepcontrol.wait``) before its
     first global load, store or copy, or it would read stale inputs. Checked on the PTX of the
-    forward, the backward and the slab reduction of both families."""
+    forward (and the bulk-copy forward, where there is one), the backward and the slab reduction
+    of both families."""
     if not dispatch.PDL:
         pytest.skip("CSA_FRONTEND_PDL=0: plain launches")
     fwd_sched = choose_schedule(ratio, coff, head_dim, "fwd")
     bwd_sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    bulk = bulk_forward_schedule(ratio, coff, head_dim, "sm_90a")
     ptx = kernel_ptx(lambda: dispatch._build_forward(ratio, coff, head_dim, fwd_sched, "sm_90a")[:1]
+                     + (dispatch._build_forward(ratio, coff, head_dim, bulk, "sm_90a")[:1] if bulk else ())
                      + dispatch._build_backward(ratio, coff, head_dim, bwd_sched, "sm_90a")[:2],
                      monkeypatch, tmp_path)
     kernels = [entry for text in ptx for entry in entries(text)]
-    assert len(kernels) == 3, [name for name, _ in kernels]
+    assert len(kernels) == 3 + (bulk is not None), [name for name, _ in kernels]
     for name, body in kernels:
         wait = body.find("griddepcontrol.wait")
         first = FIRST_GLOBAL_ACCESS.search(body)

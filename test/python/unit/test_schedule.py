@@ -209,3 +209,72 @@ def test_ape_tile_knob(monkeypatch):
     monkeypatch.setattr(sch, "WINDOW_BWD_APE_TILE_LANES", 0)
     assert not sch.stages_ape_tile(sch.choose_schedule(4, 2, 128, "bwd"))
     assert not sch.stages_ape_tile(sch.choose_schedule(128, 2, 128, "bwd"))
+
+
+# -- the bulk-copy forward ----------------------------------------------------------------------
+
+@pytest.fixture
+def bulk_cache():
+    sch.bulk_forward_schedule.cache_clear()
+    yield
+    sch.bulk_forward_schedule.cache_clear()
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (1, 2, 512), (2, 2, 512), (2, 2, 1024), (3, 2, 512)])
+def test_bulk_forward_serves_coff2_wide_heads_on_sm90(bulk_cache, ratio, coff, head_dim):
+    """Where it was measured faster (coff 2, head_dim >= 512) on sm_90+, the bulk-copy schedule
+    keeps the per-thread forward's vector width, puts every column slice of a row in one CTA and
+    fits its stages (>= 3) in a CTA's share of shared memory."""
+    base = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    for arch in ("sm_90a", "sm_100a"):
+        s = sch.bulk_forward_schedule(ratio, coff, head_dim, arch)
+        assert s is not None and s.family == "window" and s.vec == base.vec
+        assert s.col_tiles == 1 and s.col_threads == head_dim // s.vec
+        assert s.threads <= sch.WINDOW_FWD_BULK_THREADS and s.row_lanes >= 1
+        assert 3 <= s.stages <= sch.WINDOW_FWD_BULK_STAGES
+        assert sch.bulk_smem_bytes(ratio, coff, head_dim, s) <= sch.WINDOW_FWD_BULK_SMEM
+        # a block is a whole number of 16-byte units (cp.async.bulk sizes and addresses)
+        assert sch.bulk_block_bytes(ratio, coff, head_dim) % 16 == 0
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim,arch", [
+    (4, 2, 512, "sm_80"), (4, 2, 512, None),  # no cp.async.bulk
+    (4, 1, 512, "sm_90a"), (4, 2, 128, "sm_90a"), (4, 2, 256, "sm_90a"),  # measured slower
+    (128, 2, 512, "sm_90a"),  # stream family
+    (4, 2, 4096, "sm_90a"),  # more column slices than consumer threads
+    (3, 2, 518, "sm_90a"),  # token rows of 2072 bytes: not 16-byte units
+])
+def test_bulk_forward_declines(bulk_cache, ratio, coff, head_dim, arch):
+    assert sch.bulk_forward_schedule(ratio, coff, head_dim, arch) is None
+
+
+def test_bulk_forward_knob_off(bulk_cache, monkeypatch):
+    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_STAGES", 0)
+    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a") is None
+
+
+def test_bulk_forward_stages_shrink_to_fit(bulk_cache, monkeypatch):
+    """Less shared memory per CTA: fewer stages, then none below 3."""
+    full = sch.bulk_forward_schedule(4, 2, 512, "sm_90a")
+    block = sch.bulk_block_bytes(4, 2, 512)
+    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * 4 * block)
+    sch.bulk_forward_schedule.cache_clear()
+    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a").stages == 3 < full.stages
+    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * 4 * block - 1)
+    sch.bulk_forward_schedule.cache_clear()
+    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a") is None
+
+
+@pytest.mark.parametrize("ratio,head_dim", [(4, 512), (1, 512)])
+def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
+    """Launches of at least WINDOW_FWD_BULK_MIN_STAGES stages per CTA take the bulk forward; the
+    stages cover every row and the CTAs never exceed the target."""
+    s = sch.bulk_forward_schedule(ratio, 2, head_dim, "sm_90a")
+    edge = sch.WINDOW_FWD_BULK_MIN_STAGES * sch.WINDOW_FWD_BULK_CTAS * s.row_lanes
+    assert sch.takes_bulk_forward(edge, s) and not sch.takes_bulk_forward(edge - s.row_lanes * sch.WINDOW_FWD_BULK_CTAS, s)
+    assert not sch.takes_bulk_forward(10 ** 9, None)
+    for rows in (1, s.row_lanes, edge - 1, edge, edge + 1, 10 ** 6 + 7):
+        per = sch.bulk_stages_per_cta(rows, s)
+        stages = -(-rows // s.row_lanes)
+        ctas = -(-stages // per)
+        assert ctas * per >= stages > (ctas - 1) * per and ctas <= sch.WINDOW_FWD_BULK_CTAS

@@ -22,10 +22,14 @@ from .schedule import (
     Schedule,
     ape_split,
     bwd_row_groups,
+    arch_number,
+    bulk_forward_schedule,
+    bulk_stages_per_cta,
     bwd_rows_per_thread,
     choose_schedule,
     few_rows_schedule,
     fwd_rows_per_cta,
+    takes_bulk_forward,
     takes_few_rows_schedule,
     zero_fill_ctas,
 )
@@ -123,7 +127,7 @@ def _options(arch: Optional[str]) -> str:
 def uses_pdl(arch: Optional[str]) -> bool:
     """Programmatic dependent launch (``griddepcontrol``) needs sm_90 or later; an unnamed
     arch gets none."""
-    return PDL and arch is not None and int("".join(filter(str.isdigit, arch)) or 0) >= 90
+    return PDL and arch_number(arch) >= 90
 
 
 def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
@@ -134,11 +138,16 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
 
     from .stream_fwd import StreamForward
     from .window_fwd import WindowForward
+    from .window_fwd_bulk import WindowForwardBulk
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"])
     pdl = uses_pdl(arch)
+    if sched.stages:
+        fn = cute.compile(WindowForwardBulk(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
+                          stream, options=_options(arch))
+        return fn, sched
     if sched.family == "window":
         fn = cute.compile(WindowForward(ratio, coff, head_dim, sched, pdl=pdl), *args, stream,
                           options=_options(arch))
@@ -178,7 +187,21 @@ def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[st
 
 
 def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    """(compiled forward, schedule) of the default schedule. The bulk-copy forward
+    (``bulk_forward_schedule``), where the planner has one for ``arch``, is compiled too, so no
+    row count ever compiles later (``compile_forward_bulk``)."""
     key, sched = _key("fwd", ratio, coff, head_dim, arch)
+    fwd = _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
+    compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    return fwd
+
+
+def compile_forward_bulk(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    """(compiled bulk-copy forward, schedule), or None where the planner has none for ``arch``."""
+    sched = bulk_forward_schedule(ratio, coff, head_dim, arch)
+    if sched is None:
+        return None
+    key = ("fwd", arch, ratio, coff, head_dim, sched)
     return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
 
 
@@ -257,7 +280,9 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
         arch = arch_of(device)
         if direction == "fwd":
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-            direct = _direct_entries(fns)
+            bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+            # (forward, schedule, the bulk-copy schedule's (forward, schedule) or None)
+            direct = _direct_entries(fns) + (None if bulk is None else _direct_entries(bulk),)
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
@@ -281,18 +306,26 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
+def _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    rows = out.shape[0]
+    if bulk is not None and takes_bulk_forward(rows, bulk[1]):
+        bulk[0](kv, score, ape, cu_seqlens, cu_seqlens_comp, out, bulk_stages_per_cta(rows, bulk[1]))
+    elif sched.family == "stream":
+        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fwd_rows_per_cta(rows, sched))
+    else:
+        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+
+
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
     if out.shape[0] == 0:
         return
-    fn, sched = _kernels_for("fwd", kv.device, ratio, coff, head_dim)
-    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
-    if sched.family == "stream":
-        args += (fwd_rows_per_cta(out.shape[0], sched),)
+    args = _kernels_for("fwd", kv.device, ratio, coff, head_dim) + (kv, score, ape, cu_seqlens,
+                                                                  cu_seqlens_comp, out)
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
-            fn(*args)
+            _launch_forward(*args)
     else:
-        fn(*args)
+        _launch_forward(*args)
 
 
 def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
@@ -338,20 +371,16 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
-    fn, sched = _kernels_for("fwd", device, ratio, coff, head_dim)
-    index, stream_family = device.index, sched.family == "stream"
+    fn, sched, bulk = _kernels_for("fwd", device, ratio, coff, head_dim)
+    index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-        rows = out.shape[0]
-        if rows == 0:
+        if out.shape[0] == 0:
             return
         if _current_device() != index:
             return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
                            head_dim=head_dim)
-        if stream_family:
-            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fwd_rows_per_cta(rows, sched))
-        else:
-            fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     return launch
 
 

@@ -85,6 +85,7 @@ class Schedule:
     row_lanes: int  # window family: threads across output rows; stream family: window chunks
     col_tiles: int  # CTAs across head_dim
     chunk: int = 0  # stream family: window positions per thread
+    stages: int = 0  # window forward: bulk-copy pipeline stages (``bulk_forward_schedule``); 0: none
 
     @property
     def threads(self) -> int:
@@ -131,6 +132,95 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
     col_tiles = -(-n_vec // col_threads)
     row_lanes = max(1, cta_threads // col_threads)
     return Schedule("window", vec, col_threads, row_lanes, col_tiles)
+
+
+#: Register-window forward fed by bulk copies (``window_fwd_bulk``): pipeline stages of
+#: ``row_lanes`` output rows each, in flight per CTA (a stage's first row reads its previous
+#: block from the stage before, so ``stages - 2`` load while one computes). Measured on the H200
+#: (NOTES row 54): 5 beat 4 and equalled 6. 0 turns the bulk forward off. Tuning knob,
+#: CSA_FRONTEND_WINDOW_FWD_BULK_STAGES.
+WINDOW_FWD_BULK_STAGES = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_STAGES", "5"))
+#: Bulk-copy forward: consumer threads per CTA (one producer warp more), CTAs resident per SM
+#: (registers are capped to fit them; 3 or 4, with fewer stages, were slower on the H200), CTAs
+#: we aim for (one resident wave on a 132-SM H100/H200, each walking a contiguous run of
+#: stages; 2-8 waves of shorter runs were slower) and the shared memory of one SM.
+WINDOW_FWD_BULK_THREADS = 256
+WINDOW_FWD_BULK_CTAS_PER_SM = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_CTAS_PER_SM", "2"))
+WINDOW_FWD_BULK_CTAS = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_CTAS", str(132 * WINDOW_FWD_BULK_CTAS_PER_SM)))
+SM_SHARED_MEMORY = 228 * 1024
+#: per CTA: an equal share of the SM, less the 1 KB the hardware reserves per CTA and 1 KB for
+#: the barriers and row flags
+WINDOW_FWD_BULK_SMEM = SM_SHARED_MEMORY // WINDOW_FWD_BULK_CTAS_PER_SM - 2 * 1024
+#: Bulk-copy forward: stages a CTA requests at once when it starts; each later stage of the first
+#: ``stages`` waits until the stage ``ramp`` before it has landed. All CTAs start together, and a
+#: burst of all their stages made each CTA's first stage wait for most of the burst (H200,
+#: 1x65536 r4 c2 d512: 75.0 us requesting all 5 stages at once, 72.7 at 2, 75.7 at 1).
+#: Tuning knob, CSA_FRONTEND_WINDOW_FWD_BULK_RAMP.
+WINDOW_FWD_BULK_RAMP = max(1, int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_RAMP", "2")))
+#: Bulk-copy forward: launches whose CTAs would walk fewer stages than this run the per-thread
+#: forward instead. A CTA pays its pipeline's start (barriers, first lookup, the first stage's
+#: latency with nothing to overlap) once; on the H200 r4 c2 d512 at 8 stages per CTA (1x8192)
+#: ran 14.2 us against 12.1 per-thread, at 24 (3x8192) 31.6-33.1 against 33.2-34.0. Tuning
+#: knob, CSA_FRONTEND_WINDOW_FWD_BULK_MIN_STAGES.
+WINDOW_FWD_BULK_MIN_STAGES = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MIN_STAGES", "16"))
+#: Bulk-copy forward: the head dimensions and coff it serves. Measured on the H200 against the
+#: per-thread forward, same runs: faster for coff 2 at head_dim 512 (1x65536 r4 72.7-75.3 us
+#: against 78.0, 512x256 r4 141-145 against 163, 3x8192 r2 34.3 against 39.3, 1x65536 r1 91.0
+#: against 98.3), slower for coff 1 (1x65536 r4 d512 41.7 against 40.7, r2 47.6 against 43.8)
+#: and for head_dim 128-256 (1x262144 r4 c2 d128 81.6 against 79.4, 1x32768 r4 c2 d256 23.7
+#: against 22.2).
+WINDOW_FWD_BULK_MIN_HEAD_DIM = 512
+WINDOW_FWD_BULK_COFFS = (2,)
+
+
+def bulk_block_bytes(ratio: int, coff: int, head_dim: int) -> int:
+    """Bytes of one block (``ratio`` token rows of ``coff * head_dim`` bf16) of kv or score."""
+    return ratio * coff * head_dim * 2
+
+
+def bulk_smem_bytes(ratio: int, coff: int, head_dim: int, sched: "Schedule") -> int:
+    """Shared memory of the bulk-copy forward: kv and score blocks of every stage's rows plus one
+    previous block for a CTA's first row."""
+    return 2 * (sched.stages * sched.row_lanes + 1) * bulk_block_bytes(ratio, coff, head_dim)
+
+
+def arch_number(arch: "str | None") -> int:
+    """``sm_90a`` -> 90; 0 for an unnamed arch."""
+    return int("".join(filter(str.isdigit, arch or "")) or 0)
+
+
+@lru_cache(maxsize=None)
+def bulk_forward_schedule(ratio: int, coff: int, head_dim: int, arch: "str | None") -> "Schedule | None":
+    """The bulk-copy schedule of the register-window forward, or None where it does not apply:
+    not sm_90+ (``cp.async.bulk``), a stream-family window, a coff or head_dim it was slower on,
+    token rows that are not whole 16-byte units (bulk copies move 16-byte multiples from 16-byte
+    aligned addresses), more column slices than consumer threads, or fewer than 3 stages fitting
+    in ``WINDOW_FWD_BULK_SMEM``."""
+    base = choose_schedule(ratio, coff, head_dim, "fwd")
+    if WINDOW_FWD_BULK_STAGES < 3 or arch_number(arch) < 90 or base.family != "window":
+        return None
+    n_vec = head_dim // base.vec
+    if (coff not in WINDOW_FWD_BULK_COFFS or head_dim < WINDOW_FWD_BULK_MIN_HEAD_DIM or (coff * head_dim) % 8
+            or n_vec > WINDOW_FWD_BULK_THREADS):
+        return None
+    rows = WINDOW_FWD_BULK_THREADS // n_vec
+    for stages in range(WINDOW_FWD_BULK_STAGES, 2, -1):
+        sched = Schedule("window", base.vec, n_vec, rows, 1, stages=stages)
+        if bulk_smem_bytes(ratio, coff, head_dim, sched) <= WINDOW_FWD_BULK_SMEM:
+            return sched
+    return None
+
+
+def bulk_stages_per_cta(n_rows: int, sched: Schedule) -> int:
+    """Bulk-copy forward: consecutive stages one CTA walks (about WINDOW_FWD_BULK_CTAS CTAs)."""
+    n_stages = -(-n_rows // sched.row_lanes)
+    return max(1, -(-n_stages // WINDOW_FWD_BULK_CTAS))
+
+
+def takes_bulk_forward(n_rows: int, bulk: "Schedule | None") -> bool:
+    """Whether a forward launch of ``n_rows`` rows runs the bulk-copy schedule ``bulk`` (None:
+    the configuration has none) rather than the per-thread one."""
+    return bulk is not None and bulk_stages_per_cta(n_rows, bulk) >= WINDOW_FWD_BULK_MIN_STAGES
 
 
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds

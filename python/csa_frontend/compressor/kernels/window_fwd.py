@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
 from .common import (PoolingKernel, block_start, div_exact, enter_grid, load_window, mul_rn,
                      row_start, softmax_column)
@@ -63,17 +63,25 @@ class WindowForward(PoolingKernel):
                 rX = cute.make_rmem_tensor((width, vec), Float32)
                 own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
                 load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
-                rO = cute.make_rmem_tensor((vec,), Float32)
-                for v in cutlass.range_constexpr(vec):
-                    den = softmax_column(rS, v, width)
-                    rcp = Float32(1.0) / den
-                    acc = Float32(0.0)
-                    for k in cutlass.range_constexpr(width):
-                        term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
-                        if cutlass.const_expr(k == 0):
-                            acc = term
-                        else:
-                            acc = acc + term
-                    rO[v] = acc
                 gO = cute.zipped_divide(mOut, (1, vec))
-                gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+                pool_and_store(rS, rX, gO, row, cv, vec, width)
+
+
+@cute.jit
+def pool_and_store(rS: cute.Tensor, rX: cute.Tensor, gO: cute.Tensor, row: Int32, cv: Int32,
+                   vec: cutlass.Constexpr, width: cutlass.Constexpr):
+    """``out[row, cv*vec : cv*vec+vec]`` from a gathered window (``rS`` score + ape, ``rX`` kv):
+    the reference's softmax and weighted sum, one bf16 rounding."""
+    rO = cute.make_rmem_tensor((vec,), Float32)
+    for v in cutlass.range_constexpr(vec):
+        den = softmax_column(rS, v, width)
+        rcp = Float32(1.0) / den
+        acc = Float32(0.0)
+        for k in cutlass.range_constexpr(width):
+            term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
+            if cutlass.const_expr(k == 0):
+                acc = term
+            else:
+                acc = acc + term
+        rO[v] = acc
+    gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
