@@ -82,7 +82,10 @@ class WindowForwardBulk(PoolingKernel):
         if tidx == 0:
             for x in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(full + x, 1)
-                cute.arch.mbarrier_init(empty + x, self.consumers // 32)  # one arrival per warp
+                # every consumer thread arrives: a warp electing one lane after __syncwarp left
+                # its other lanes' reads unordered for compute-sanitizer's racecheck (3 hazards;
+                # same speed either way on the H200)
+                cute.arch.mbarrier_init(empty + x, self.consumers)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -165,7 +168,6 @@ class WindowForwardBulk(PoolingKernel):
         vKV = cute.zipped_divide(sKV, (1, vec))
         vS = cute.zipped_divide(sS, (1, vec))
         width = coff * ratio
-        lane = tidx % 32
         # this thread's column slice is the same in every stage: its ape window once, in registers
         rA = cute.make_rmem_tensor((width, vec), Float32)
         if cv < n_vec:
@@ -206,6 +208,4 @@ class WindowForwardBulk(PoolingKernel):
                             rX[k, v] = kvv[v]
                 pool_and_store(rS, rX, gO, row, cv, vec, width)
             if i > 0:
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + (i - 1) % S)
+                cute.arch.mbarrier_arrive(empty + (i - 1) % S)
