@@ -2,7 +2,8 @@
 
 Kernels are compiled through TVM-FFI against symbolic token / row / segment counts, so one
 compiled function per static configuration serves every pack (the stream backward has two,
-one per row-count bucket, compiled together); calls then pass torch tensors
+one per row-count bucket, and so has the coff-2 wide-head forward on sm_90+, per-thread and
+bulk-copy, each pair compiled together); calls then pass torch tensors
 straight through (no per-call DLPack wrapping) on the environment (current torch) stream.
 The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
 concurrent first calls compile once.
@@ -21,10 +22,10 @@ from .schedule import (
     PDL,
     Schedule,
     ape_split,
-    bwd_row_groups,
     arch_number,
     bulk_forward_schedule,
     bulk_stages_per_cta,
+    bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
     few_rows_schedule,
