@@ -72,7 +72,8 @@ def _keys_by_config():
     for key in dispatch.cache_keys():
         direction, key_arch, ratio, coff, head_dim, sched = key
         if direction == "fwd":  # the bulk-copy forward compiles with it, where the planner has one
-            planned = {choose_schedule(ratio, coff, head_dim, "fwd"), bulk_forward_schedule(ratio, coff, head_dim, arch)}
+            planned = {choose_schedule(ratio, coff, head_dim, "fwd"),
+                       bulk_forward_schedule(ratio, coff, head_dim, arch)}
         else:
             planned = {choose_schedule(ratio, coff, head_dim, "bwd")}
         if direction != "fwd":  # the backward's row-count bucket compiles with it

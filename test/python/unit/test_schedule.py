@@ -271,7 +271,8 @@ def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
     stages cover every row and the CTAs never exceed the target."""
     s = sch.bulk_forward_schedule(ratio, 2, head_dim, "sm_90a")
     edge = sch.WINDOW_FWD_BULK_MIN_STAGES * sch.WINDOW_FWD_BULK_CTAS * s.row_lanes
-    assert sch.takes_bulk_forward(edge, s) and not sch.takes_bulk_forward(edge - s.row_lanes * sch.WINDOW_FWD_BULK_CTAS, s)
+    one_stage_less_per_cta = edge - s.row_lanes * sch.WINDOW_FWD_BULK_CTAS
+    assert sch.takes_bulk_forward(edge, s) and not sch.takes_bulk_forward(one_stage_less_per_cta, s)
     assert not sch.takes_bulk_forward(10 ** 9, None)
     for rows in (1, s.row_lanes, edge - 1, edge, edge + 1, 10 ** 6 + 7):
         per = sch.bulk_stages_per_cta(rows, s)
