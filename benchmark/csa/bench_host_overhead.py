@@ -151,8 +151,9 @@ def wrapper_steps(p, ratio, coff, head_dim):
     fp = api._fast_plans[key]
     fn, sched, bulk = dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim)
     launch_args = (kv, score, ape, cu, comp, out)
-    if bulk is not None and schedule.takes_bulk_forward(rows, bulk[1]):
-        fn, launch_args = bulk[0], launch_args + (schedule.bulk_stages_per_cta(rows, bulk[1]),)
+    per_cta = 0 if bulk is None else schedule.bulk_forward_walk(rows, bulk[1])
+    if per_cta:
+        fn, launch_args = bulk[0], launch_args + (per_cta,)
     elif sched.family == "stream":
         launch_args += (schedule.fwd_rows_per_cta(rows, sched),)
     return [

@@ -24,13 +24,12 @@ from .schedule import (
     ape_split,
     arch_number,
     bulk_forward_schedule,
-    bulk_stages_per_cta,
+    bulk_forward_walk,
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
     few_rows_schedule,
     fwd_rows_per_cta,
-    takes_bulk_forward,
     takes_few_rows_schedule,
     zero_fill_ctas,
 )
@@ -309,8 +308,9 @@ def _needs_guard(device: torch.device, stream) -> bool:
 
 def _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
     rows = out.shape[0]
-    if bulk is not None and takes_bulk_forward(rows, bulk[1]):
-        bulk[0](kv, score, ape, cu_seqlens, cu_seqlens_comp, out, bulk_stages_per_cta(rows, bulk[1]))
+    per_cta = 0 if bulk is None else bulk_forward_walk(rows, bulk[1])
+    if per_cta:
+        bulk[0](kv, score, ape, cu_seqlens, cu_seqlens_comp, out, per_cta)
     elif sched.family == "stream":
         fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fwd_rows_per_cta(rows, sched))
     else:

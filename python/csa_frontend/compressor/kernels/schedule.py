@@ -217,10 +217,20 @@ def bulk_stages_per_cta(n_rows: int, sched: Schedule) -> int:
     return max(1, -(-n_stages // WINDOW_FWD_BULK_CTAS))
 
 
+def bulk_forward_walk(n_rows: int, bulk: "Schedule | None") -> int:
+    """Stages per CTA of a forward launch of ``n_rows`` rows on the bulk-copy schedule ``bulk``
+    (None: the configuration has none), or 0 where the per-thread forward runs instead: the
+    launch's one runtime argument and the choice, in one computation per call."""
+    if bulk is None:
+        return 0
+    per = bulk_stages_per_cta(n_rows, bulk)
+    return per if per >= WINDOW_FWD_BULK_MIN_STAGES else 0
+
+
 def takes_bulk_forward(n_rows: int, bulk: "Schedule | None") -> bool:
     """Whether a forward launch of ``n_rows`` rows runs the bulk-copy schedule ``bulk`` (None:
     the configuration has none) rather than the per-thread one."""
-    return bulk is not None and bulk_stages_per_cta(n_rows, bulk) >= WINDOW_FWD_BULK_MIN_STAGES
+    return bulk_forward_walk(n_rows, bulk) > 0
 
 
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
