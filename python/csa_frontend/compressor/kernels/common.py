@@ -299,6 +299,7 @@ def load_window(
     vec: cutlass.Constexpr,
     staged=None,
     ape_rows=None,
+    prev0=None,
 ):
     """Gather one row's whole window for the columns ``[cv*vec, cv*vec+vec)`` into registers.
 
@@ -309,16 +310,23 @@ def load_window(
     are the whole (T, coff*d) inputs (see ``window_view``).
     With ``staged`` (this thread's ``stage_slots``) kv and score come from shared memory,
     where ``stage_window`` copied them. ape comes from global (L1-resident) or, with
-    ``ape_rows`` (this thread's ``(coff*ratio, vec)`` view of ``stage_ape``), from shared memory.
+    ``ape_rows`` (this thread's ``(coff*ratio, vec)`` ape window, e.g. a view of ``stage_ape``),
+    from there. With ``prev0`` (coff 2), the previous block is the one before row ``prev0``
+    instead of the one before ``own0``: the bulk-copy forward's ring holds blocks that are not
+    always adjacent.
     """
     wKV = window_view(mKV, own0, ratio, coff, vec)
     wS = window_view(mS, own0, ratio, coff, vec)
+    pKV, pS = wKV, wS
+    if cutlass.const_expr(prev0 is not None):
+        pKV = window_view(mKV, prev0, ratio, coff, vec)
+        pS = window_view(mS, prev0, ratio, coff, vec)
     for k in cutlass.range_constexpr(coff * ratio):
         # window row k: token own0 - ratio + k (coff 2) or own0 + k (coff 1)
         if cutlass.const_expr(coff == 2 and k < ratio):
             # previous block, first-half columns, ape row k
             if has_prev:
-                gather_position(wKV, wS, gA, rS, rX, staged, k, cv, k, coff * ratio, vec, ape_rows)
+                gather_position(pKV, pS, gA, rS, rX, staged, k, cv, k, coff * ratio, vec, ape_rows)
             else:
                 for v in cutlass.range_constexpr(vec):
                     rS[k, v] = -Float32.inf

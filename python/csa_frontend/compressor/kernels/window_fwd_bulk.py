@@ -26,7 +26,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
 
-from .common import PoolingKernel, block_start, enter_grid, find_segment, kv_and_score
+from .common import PoolingKernel, block_start, enter_grid, find_segment, load_window, stage_ape
 from .schedule import WINDOW_FWD_BULK_CTAS_PER_SM, WINDOW_FWD_BULK_RAMP, bulk_block_bytes
 from .window_fwd import pool_and_store
 
@@ -165,15 +165,11 @@ class WindowForwardBulk(PoolingKernel):
         cv = tidx % ct
         gA = cute.zipped_divide(mApe, (1, vec))
         gO = cute.zipped_divide(mOut, (1, vec))
-        vKV = cute.zipped_divide(sKV, (1, vec))
-        vS = cute.zipped_divide(sS, (1, vec))
         width = coff * ratio
         # this thread's column slice is the same in every stage: its ape window once, in registers
-        rA = cute.make_rmem_tensor((width, vec), Float32)
-        if cv < n_vec:
-            for k in cutlass.range_constexpr(width):
-                half = k // ratio if cutlass.const_expr(coff == 2) else 0
-                rA[k, None].store(gA[(0, None), (k % ratio, cv + half * n_vec)].load())
+        rA = cute.make_rmem_tensor((width, 1, vec), Float32)
+        stage_ape(gA, rA, cv < n_vec, cv, 0, 0, 1, ratio, coff, n_vec)
+        ape_rows = rA[None, 0, None]
         for i in cutlass.range(count, unroll=1):
             slot = i % S
             cute.arch.mbarrier_wait(full + slot, (i // S) % 2)
@@ -188,24 +184,9 @@ class WindowForwardBulk(PoolingKernel):
                 has_prev = sPrev[slot, lane_row] != 0
                 rS = cute.make_rmem_tensor((width, vec), Float32)
                 rX = cute.make_rmem_tensor((width, vec), Float32)
-                for k in cutlass.range_constexpr(width):
-                    if cutlass.const_expr(coff == 2 and k < ratio):
-                        if has_prev:
-                            kvv, scv = kv_and_score(vKV, vS, None, k, width, pb * ratio + k, cv, vec)
-                            for v in cutlass.range_constexpr(vec):
-                                rS[k, v] = scv[v] + rA[k, v]
-                                rX[k, v] = kvv[v]
-                        else:
-                            for v in cutlass.range_constexpr(vec):
-                                rS[k, v] = -Float32.inf
-                                rX[k, v] = Float32(0.0)
-                    else:
-                        i_own = k - ratio if cutlass.const_expr(coff == 2) else k
-                        colt = cv + n_vec if cutlass.const_expr(coff == 2) else cv
-                        kvv, scv = kv_and_score(vKV, vS, None, k, width, b * ratio + i_own, colt, vec)
-                        for v in cutlass.range_constexpr(vec):
-                            rS[k, v] = scv[v] + rA[k, v]
-                            rX[k, v] = kvv[v]
+                # ring blocks start at row ``block * ratio``; the previous block is block ``pb``
+                load_window(sKV, sS, gA, rS, rX, b * ratio, has_prev, cv, ratio, coff, n_vec, vec,
+                            ape_rows=ape_rows, prev0=(pb + 1) * ratio)
                 pool_and_store(rS, rX, gO, row, cv, vec, width)
             if i > 0:
                 cute.arch.mbarrier_arrive(empty + (i - 1) % S)
