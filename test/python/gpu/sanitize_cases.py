@@ -19,7 +19,7 @@ from packs import edge_lengths, offsets, random_inputs
 
 # (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
 # the own-block window, and a ratio served by the stream family; main() adds the bulk-copy
-# forward.
+# forward and the interleaved backward row walk.
 CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
@@ -70,6 +70,12 @@ def main():
         schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = 1, 3
         run_case(4, 2, 512, repeat=4)
         print("r4 c2 d512 (bulk-copy forward): ok", flush=True)
+    # the register-window backward's interleaved row walk, three CTAs (every step a new lookup)
+    saved = schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS
+    schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS = "1", 3
+    run_case(4, 2, 512, repeat=4)
+    schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS = saved
+    print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
     torch.cuda.synchronize()

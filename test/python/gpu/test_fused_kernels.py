@@ -418,6 +418,20 @@ def test_window_rows_walked_per_thread(few_ctas, ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (3, 2, 65), (1, 2, 64), (8, 2, 128)])
+def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
+    """The interleaved row walk (``bwd_interleaved``), forced on: a thread's rows ``row_groups *
+    row_lanes`` apart, so its cursor leaves its segment at almost every step (searches across
+    empty, short and tail-only segments) and the last steps run past the real rows."""
+    from csa_frontend.compressor.kernels import schedule
+    monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
+    monkeypatch.setattr(schedule, "WINDOW_BWD_INTERLEAVE", "1")
+    lengths = (edge_lengths(ratio) + [0, 5 * ratio, ratio - 1 if ratio > 1 else 3]) * 4
+    check_config(ratio, coff, head_dim, lengths, pad_rows=5, seed=ctas * 7 + ratio + head_dim)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
 def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)

@@ -96,6 +96,47 @@ def test_stream_forward_grid_stays_within_target(ratio, coff, head_dim):
         assert -(-n_rows // rpc) * rpc >= n_rows
 
 
+def _interleave_edge(coff=2, head_dim=512):
+    """(schedule, rows, rows per thread) of the smallest one-segment launch the rule interleaves."""
+    s = sch.choose_schedule(4, coff, head_dim, "bwd")
+    n_rows = s.row_lanes * sch.BWD_TARGET_CTAS * sch.WINDOW_BWD_INTERLEAVE_MIN_ROWS
+    return s, n_rows, sch.bwd_rows_per_thread(n_rows, s)
+
+
+def test_interleaved_backward_rule_edges():
+    s, n_rows, rpt = _interleave_edge()
+    assert rpt == sch.WINDOW_BWD_INTERLEAVE_MIN_ROWS
+    assert sch.bwd_interleaved(n_rows, 1, 2, 512, s, rpt)
+    # one row fewer per thread: contiguous runs
+    fewer = n_rows - s.row_lanes * sch.BWD_TARGET_CTAS
+    assert not sch.bwd_interleaved(fewer, 1, 2, 512, s, sch.bwd_rows_per_thread(fewer, s))
+    # narrow token rows: contiguous
+    s256, rows256, rpt256 = _interleave_edge(2, 256)
+    assert not sch.bwd_interleaved(rows256, 1, 2, 256, s256, rpt256)
+    # coff 1 at head_dim 1024 is as wide as coff 2 at 512
+    s1, rows1, rpt1 = _interleave_edge(1, 1024)
+    assert sch.bwd_interleaved(rows1, 1, 1, 1024, s1, rpt1)
+    # mean segment of exactly SEGMENT_STEPS steps interleaves, shorter ones do not
+    step = sch.bwd_row_groups(n_rows, s, rpt) * s.row_lanes
+    segs = n_rows // (sch.WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * step)
+    assert sch.bwd_interleaved(n_rows, segs, 2, 512, s, rpt)
+    assert not sch.bwd_interleaved(n_rows, segs + 1, 2, 512, s, rpt)
+
+
+def test_interleaved_backward_never_for_stream_family(monkeypatch):
+    s = sch.choose_schedule(128, 2, 512, "bwd")
+    assert s.family == "stream"
+    monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", "1")
+    assert not sch.bwd_interleaved(10 ** 6, 1, 2, 512, s, 32)
+
+
+@pytest.mark.parametrize("knob,expected", [("0", False), ("1", True)])
+def test_interleaved_backward_knob(monkeypatch, knob, expected):
+    s = sch.choose_schedule(4, 2, 128, "bwd")
+    monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", knob)
+    assert sch.bwd_interleaved(5, 3, 2, 128, s, 1) is expected
+
+
 @pytest.mark.parametrize("n_segments", [0, 1, 2, 3, 511, 512, 513])
 def test_zero_fill_covers_every_segment(n_segments):
     s = sch.choose_schedule(4, 2, 128, "bwd")
@@ -105,7 +146,7 @@ def test_zero_fill_covers_every_segment(n_segments):
 
 def test_planner_never_sees_the_sm_count():
     for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.fwd_rows_per_cta, sch.ape_split,
-               sch.zero_fill_ctas):
+               sch.zero_fill_ctas, sch.bwd_interleaved):
         assert not any("sm" in p.lower() for p in inspect.signature(fn).parameters)
     assert "multi_processor_count" not in inspect.getsource(sch)
 

@@ -191,7 +191,9 @@ def enter_grid(pdl: cutlass.Constexpr, release: cutlass.Constexpr = True):
 class BackwardKernel(PoolingKernel):
     """Both backward families launch alike: ``row_groups`` CTAs (one grad_ape slab each, walking
     ``rows_per_group`` rows per thread or per CTA as the family defines) plus ``zero_ctas``
-    zero-fill CTAs, times the column tiles."""
+    zero-fill CTAs, times the column tiles. ``interleaved`` (window family; the stream family
+    takes 0): a CTA's rows are spread over the pack instead of one contiguous run
+    (``schedule.bwd_interleaved``)."""
 
     @cute.jit
     def __call__(
@@ -208,10 +210,11 @@ class BackwardKernel(PoolingKernel):
         rows_per_group: Int32,
         row_groups: Int32,
         zero_ctas: Int32,
+        interleaved: Int32,
         stream,
     ):
         self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-                    rows_per_group, row_groups, zero_ctas).launch(
+                    rows_per_group, row_groups, zero_ctas, interleaved).launch(
             grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,

@@ -25,6 +25,7 @@ from .schedule import (
     arch_number,
     bulk_forward_schedule,
     bulk_forward_walk,
+    bwd_interleaved,
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
@@ -174,7 +175,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch))
     one = cutlass.Int32(1)
     main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
-                        f["slab"], one, one, one, stream, options=_options(arch))
+                        f["slab"], one, one, one, one, stream, options=_options(arch))
     if atomic:
         return main, None, sched
     reduce = cute.compile(ApeReduce(op.pdl), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
@@ -336,17 +337,19 @@ def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_se
         main, reduce, sched = few
     rpt = bwd_rows_per_thread(n_rows, sched)
     groups = bwd_row_groups(n_rows, sched, rpt)
-    zero_ctas = zero_fill_ctas(cu_seqlens.shape[0] - 1, sched)
+    n_seg = cu_seqlens.shape[0] - 1
+    zero_ctas = zero_fill_ctas(n_seg, sched)
+    inter = int(bwd_interleaved(n_rows, n_seg, coff, head_dim, sched, rpt))
     if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
         grad_ape.zero_()
         main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-             grad_ape.view(1, ratio, coff * head_dim), rpt, groups, zero_ctas)
+             grad_ape.view(1, ratio, coff * head_dim), rpt, groups, zero_ctas, inter)
         return
     slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
     if groups == 0:
         slab.zero_()
     main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
-         rpt, groups, zero_ctas)
+         rpt, groups, zero_ctas, inter)
     reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1), ape_split(slab.shape[0]))
 
 

@@ -93,7 +93,7 @@ class StreamBackward(BackwardKernel):
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-               rows_per_cta, row_groups, zero_ctas):
+               rows_per_cta, row_groups, zero_ctas, interleaved):  # interleaved: window family only
         enter_grid(self.pdl)
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio

@@ -38,7 +38,7 @@ class WindowBackward(BackwardKernel):
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-               rows_per_thread, row_groups, zero_ctas):
+               rows_per_thread, row_groups, zero_ctas, interleaved):
         enter_grid(self.pdl)
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         ct, lanes = self.sched.col_threads, self.sched.row_lanes
@@ -71,12 +71,19 @@ class WindowBackward(BackwardKernel):
             # cursor moves on before the row is computed: after it, ptxas needed 140-152
             # registers for r8 c1 (one CTA per SM) instead of 128.
             stages = self.stages
+            # A thread's rows: ``lanes`` apart in one contiguous run per CTA, or, interleaved,
+            # ``row_groups * lanes`` apart, so that the whole grid works through one region of
+            # the pack at a time instead of one region per CTA (``bwd_interleaved``).
+            step = lanes
             row = bx * rows_per_thread * lanes + lane
+            if interleaved != 0:
+                step = row_groups * lanes
+                row = bx * lanes + lane
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
-                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, t0, lo,
-                                     hi, n_real, col_ok, cv, tidx)
+                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, step, t0,
+                                     lo, hi, n_real, col_ok, cv, tidx)
             ape_rows = None
             if cutlass.const_expr(sApe is not None):
                 # Every row re-reads the same ape window; from global (L1) those loads were the
@@ -89,14 +96,15 @@ class WindowBackward(BackwardKernel):
                 slots = None
                 if cutlass.const_expr(staged):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
-                                     it + stages - 1, rows_per_thread, row, t0, lo, hi, n_real, col_ok, cv, tidx)
+                                     it + stages - 1, rows_per_thread, row, step, t0, lo, hi, n_real, col_ok, cv,
+                                     tidx)
                     cute.arch.cp_async_wait_group(stages - 1)
                     slots = stage_slots(sBuf, it % stages, tidx)
                 this_row = row
                 own0, has_prev = block_start(t0, row - lo, ratio, n_tok)
                 last_blk = row - lo == hi - lo - 1
                 seg_end = t1
-                row = row + lanes
+                row = row + step
                 if row >= hi:
                     t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
                 if this_row < n_real and col_ok:
@@ -170,14 +178,15 @@ class WindowBackward(BackwardKernel):
 
     @cute.jit
     def stage_ahead(self, mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, stage, ahead: cutlass.Constexpr, index,
-                    rows_per_thread, row, t0, lo, hi, n_real, col_ok, cv, tidx):
-        """Start the copies of the row ``ahead`` of this thread's ``row`` (the thread's row number
-        ``index``) into ``stage``, committed as one cp.async group (empty past its rows).
+                    rows_per_thread, row, step, t0, lo, hi, n_real, col_ok, cv, tidx):
+        """Start the copies of the row ``ahead`` rows (``step`` apart) after this thread's ``row``
+        (the thread's row number ``index``) into ``stage``, committed as one cp.async group (empty
+        past its rows).
 
         ``row``'s segment (``t0``, ``lo``, ``hi``) places it unless it lies past that segment's end;
         then it takes a lookup of its own (with ``warp_rows`` the warp shares the row and votes
         together), so the thread keeps one row cursor, not one per stage."""
-        srow = row + ahead * self.sched.row_lanes
+        srow = row + ahead * step
         if index < rows_per_thread and srow < n_real:
             s0 = t0
             slo = lo
