@@ -96,9 +96,10 @@ def test_stream_forward_grid_stays_within_target(ratio, coff, head_dim):
         assert -(-n_rows // rpc) * rpc >= n_rows
 
 
-def _interleave_edge(coff=2, head_dim=512):
-    """(schedule, rows, rows per thread) of the smallest one-segment launch the rule interleaves."""
-    s = sch.choose_schedule(4, coff, head_dim, "bwd")
+def _interleave_edge(ratio=4, coff=2, head_dim=512):
+    """(schedule, rows, rows per thread) of the smallest one-segment launch whose threads walk
+    WINDOW_BWD_INTERLEAVE_MIN_ROWS rows."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
     n_rows = s.row_lanes * sch.BWD_TARGET_CTAS * sch.WINDOW_BWD_INTERLEAVE_MIN_ROWS
     return s, n_rows, sch.bwd_rows_per_thread(n_rows, s)
 
@@ -106,35 +107,35 @@ def _interleave_edge(coff=2, head_dim=512):
 def test_interleaved_backward_rule_edges():
     s, n_rows, rpt = _interleave_edge()
     assert rpt == sch.WINDOW_BWD_INTERLEAVE_MIN_ROWS
-    assert sch.bwd_interleaved(n_rows, 1, 2, 512, s, rpt)
+    assert sch.bwd_interleaved(n_rows, 1, 4, 2, 512, s, rpt)
     # one row fewer per thread: contiguous runs
     fewer = n_rows - s.row_lanes * sch.BWD_TARGET_CTAS
-    assert not sch.bwd_interleaved(fewer, 1, 2, 512, s, sch.bwd_rows_per_thread(fewer, s))
-    # narrow token rows: contiguous
-    s256, rows256, rpt256 = _interleave_edge(2, 256)
-    assert not sch.bwd_interleaved(rows256, 1, 2, 256, s256, rpt256)
-    # coff 1 at head_dim 1024 is as wide as coff 2 at 512
-    s1, rows1, rpt1 = _interleave_edge(1, 1024)
-    assert sch.bwd_interleaved(rows1, 1, 1, 1024, s1, rpt1)
+    assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, sch.bwd_rows_per_thread(fewer, s))
+    # outside the measured gain: narrower rows, coff 1, smaller ratio
+    for ratio, coff, head_dim in [(4, 2, 256), (4, 1, 1024), (2, 2, 512)]:
+        s2, rows2, rpt2 = _interleave_edge(ratio, coff, head_dim)
+        assert s2.family == "window" and rpt2 == rpt
+        assert not sch.bwd_interleaved(rows2, 1, ratio, coff, head_dim, s2, rpt2)
     # mean segment of exactly SEGMENT_STEPS steps interleaves, shorter ones do not
     step = sch.bwd_row_groups(n_rows, s, rpt) * s.row_lanes
     segs = n_rows // (sch.WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * step)
-    assert sch.bwd_interleaved(n_rows, segs, 2, 512, s, rpt)
-    assert not sch.bwd_interleaved(n_rows, segs + 1, 2, 512, s, rpt)
+    assert segs >= 1
+    assert sch.bwd_interleaved(n_rows, segs, 4, 2, 512, s, rpt)
+    assert not sch.bwd_interleaved(n_rows, segs + 1, 4, 2, 512, s, rpt)
 
 
 def test_interleaved_backward_never_for_stream_family(monkeypatch):
     s = sch.choose_schedule(128, 2, 512, "bwd")
     assert s.family == "stream"
     monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", "1")
-    assert not sch.bwd_interleaved(10 ** 6, 1, 2, 512, s, 32)
+    assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, 32)
 
 
 @pytest.mark.parametrize("knob,expected", [("0", False), ("1", True)])
 def test_interleaved_backward_knob(monkeypatch, knob, expected):
     s = sch.choose_schedule(4, 2, 128, "bwd")
     monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", knob)
-    assert sch.bwd_interleaved(5, 3, 2, 128, s, 1) is expected
+    assert sch.bwd_interleaved(5, 3, 4, 2, 128, s, 1) is expected
 
 
 @pytest.mark.parametrize("n_segments", [0, 1, 2, 3, 511, 512, 513])

@@ -339,7 +339,7 @@ def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_se
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)
-    inter = int(bwd_interleaved(n_rows, n_seg, coff, head_dim, sched, rpt))
+    inter = int(bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, sched, rpt))
     if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
         grad_ape.zero_()
         main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,

@@ -388,22 +388,26 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule) -> int:
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
 #: rows ``row_groups * row_lanes`` apart, so the whole grid streams through one region of the
 #: pack at a time) instead of as one contiguous run (``row_groups`` regions read and written at
-#: once), where token rows are wide (``coff * head_dim`` >= ``WINDOW_BWD_INTERLEAVE_MIN_COLS``),
-#: threads walk at least ``WINDOW_BWD_INTERLEAVE_MIN_ROWS`` rows, and the mean segment spans at
-#: least ``WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS`` such steps (the row cursor searches whenever a
-#: step leaves its segment). Measured on the H200 (session 12, two same-run rounds, contiguous ->
-#: interleaved): 1x65536 r4 c2 d512 156.9 -> 153.4-153.7 us, 3x8192 r4 c2 d512 65.5-65.7 ->
-#: 64.6-65.0; slower where the rule leaves it off: 512x256 r4 c2 d512 298 -> 321 (a search per
-#: row), 64x1000 r4 c2 d128 46.6-47.1 -> 50.3-50.5, 3x8192 r4 c2 d128 19.6 -> 20.2-20.5; 3x8192
-#: r4 c1 d512 within noise (36.0-36.4 -> 35.4-36.4). Tuning knob (A/B): "0" never, "1" wherever
-#: the family allows, default "auto": CSA_FRONTEND_WINDOW_BWD_INTERLEAVE.
+#: once). Taken for coff 2 at ratio >= ``WINDOW_BWD_INTERLEAVE_MIN_RATIO`` and head_dim >=
+#: ``WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM``, threads walking at least
+#: ``WINDOW_BWD_INTERLEAVE_MIN_ROWS`` rows, and a mean segment of at least
+#: ``WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS`` such steps (the row cursor searches whenever a step
+#: leaves its segment). Measured on the H200 (session 12, same-run rounds, contiguous ->
+#: interleaved, us): r4 c2 d512 1x65536 156.9-158.1 -> 153.4-154.7, 1x32768 84.5-84.8 ->
+#: 83.5-84.1, 1x16384 47.5-47.7 -> 46.6-46.9, 3x8192 65.5-66.8 -> 64.6-66.1. No gain, so left
+#: contiguous: r1 c2 d512 1x65536 175.6-175.9 -> 174.8-176.8, r4 c1 d1024 1x65536 181.5-181.8 ->
+#: 181.8-182.7, 3x8192 r4 c1 d512 36.0-36.4 -> 35.4-36.4. Slower: many short segments (512x256
+#: r4 c2 d512 298 -> 321, a search per row; 64x1000 r4 c2 d128 46.6-47.1 -> 50.3-50.5) and
+#: 3x8192 r4 c2 d128 (19.6 -> 20.2-20.5). Tuning knob (A/B): "0" never, "1" wherever the window
+#: family runs, default "auto": CSA_FRONTEND_WINDOW_BWD_INTERLEAVE.
 WINDOW_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_WINDOW_BWD_INTERLEAVE", "auto")
-WINDOW_BWD_INTERLEAVE_MIN_COLS = 1024
+WINDOW_BWD_INTERLEAVE_MIN_RATIO = 4
+WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM = 512
 WINDOW_BWD_INTERLEAVE_MIN_ROWS = 8
 WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 
-def bwd_interleaved(n_rows: int, n_segments: int, coff: int, head_dim: int, sched: Schedule,
+def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_dim: int, sched: Schedule,
                     rows_per_thread: int) -> bool:
     """Whether a register-window backward launch walks its CTAs' rows interleaved (see
     ``WINDOW_BWD_INTERLEAVE``); from shapes alone, so grad_ape's summation order (each CTA's
@@ -413,7 +417,8 @@ def bwd_interleaved(n_rows: int, n_segments: int, coff: int, head_dim: int, sche
     if WINDOW_BWD_INTERLEAVE == "1":
         return True
     step = bwd_row_groups(n_rows, sched, rows_per_thread) * sched.row_lanes
-    return (coff * head_dim >= WINDOW_BWD_INTERLEAVE_MIN_COLS
+    return (coff == 2 and ratio >= WINDOW_BWD_INTERLEAVE_MIN_RATIO
+            and head_dim >= WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM
             and rows_per_thread >= WINDOW_BWD_INTERLEAVE_MIN_ROWS
             and n_rows >= WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step)
 
