@@ -3,9 +3,10 @@
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
 # forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
 # the stream family, their backwards under both row-count schedules; r4 c2 d512 through the bulk-copy
-# forward and the interleaved backward row walk; a side-stream call; a pack without rows) under compute-sanitizer's memcheck, racecheck
-# and initcheck, one after another, and prints one summary line per tool. Exits non-zero if any
-# tool reports an error, the script fails, or a run exceeds its time limit.
+# forward and the interleaved backward row walk; a side-stream call; a pack without rows) under
+# compute-sanitizer's memcheck, racecheck and initcheck, one after another, and prints one summary
+# line per tool. Exits non-zero if any tool reports an error, the script fails, or a run exceeds
+# its time limit.
 #
 #   bash test/python/gpu/sanitize.sh                 # from the repository root, csa_frontend importable
 #
