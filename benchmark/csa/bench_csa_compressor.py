@@ -8,6 +8,10 @@ PNG chart.
 
     python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|i,j,...] [--out DIR]
         [--providers fused,eager] [--directions fwd,bwd]
+
+``--shapes`` items are indices into SHAPES or ``SEGxSEQLENxRATIOxCOFFxHEAD_DIM`` (e.g.
+``1x16384x4x2x512``). An A/B of a tuning knob is two runs of the fused provider, one with the
+knob set: ``CSA_FRONTEND_WINDOW_BWD_INTERLEAVE=0 python ... --providers fused --directions bwd``.
 """
 from __future__ import annotations
 
@@ -30,6 +34,16 @@ SHAPES = [
     (1, 131072, 128, 2, 512), (512, 256, 4, 2, 512), (64, 1000, 4, 2, 128), (4, 8192, 16, 2, 256),
     (1, 65536, 64, 1, 512),
 ]
+
+
+def parse_shape(item: str):
+    """One ``--shapes`` item: an index into SHAPES, or ``SEGxSEQLENxRATIOxCOFFxHEAD_DIM``."""
+    if "x" in item:
+        shape = tuple(int(v) for v in item.split("x"))
+        if len(shape) != 5:
+            raise SystemExit(f"--shapes: {item!r} is not SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
+        return shape
+    return SHAPES[int(item)]
 
 
 def shape_name(s):
@@ -192,7 +206,8 @@ def chart(results, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="all", help="all, r4 (small-ratio rows) or a comma list of indices")
+    ap.add_argument("--shapes", default="all",
+                    help="all, r4 (small-ratio rows) or a comma list of indices / SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
     ap.add_argument("--providers", default="fused,eager")
     ap.add_argument("--directions", default="fwd,bwd", help="fused directions to time (A/B runs of one kernel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -201,7 +216,7 @@ def main():
     if args.shapes == "r4":
         shapes = [s for s in SHAPES if s[2] <= 8]
     elif args.shapes != "all":
-        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+        shapes = [parse_shape(i) for i in args.shapes.split(",")]
     providers = args.providers.split(",")
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
