@@ -416,11 +416,11 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
         return True
+    if (coff != 2 or ratio < WINDOW_BWD_INTERLEAVE_MIN_RATIO or head_dim < WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM
+            or rows_per_thread < WINDOW_BWD_INTERLEAVE_MIN_ROWS):
+        return False
     step = bwd_row_groups(n_rows, sched, rows_per_thread) * sched.row_lanes
-    return (coff == 2 and ratio >= WINDOW_BWD_INTERLEAVE_MIN_RATIO
-            and head_dim >= WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM
-            and rows_per_thread >= WINDOW_BWD_INTERLEAVE_MIN_ROWS
-            and n_rows >= WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step)
+    return n_rows >= WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
 
 
 def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
