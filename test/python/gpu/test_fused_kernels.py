@@ -516,4 +516,4 @@ def test_bulk_forward_by_default_on_long_packs():
     assert ran_bulk_forward(4, 2, 512)
     rows = (40000 + 3001) // 4 + 2
     bulk = schedule.bulk_forward_schedule(4, 2, 512, dispatch.arch_of(torch.device("cuda")))
-    assert schedule.takes_bulk_forward(rows, bulk) and not schedule.takes_bulk_forward(2048, bulk)
+    assert schedule.bulk_forward_walk(rows, bulk) > 0 and schedule.bulk_forward_walk(2048, bulk) == 0

@@ -227,12 +227,6 @@ def bulk_forward_walk(n_rows: int, bulk: "Schedule | None") -> int:
     return per if per >= WINDOW_FWD_BULK_MIN_STAGES else 0
 
 
-def takes_bulk_forward(n_rows: int, bulk: "Schedule | None") -> bool:
-    """Whether a forward launch of ``n_rows`` rows runs the bulk-copy schedule ``bulk`` (None:
-    the configuration has none) rather than the per-thread one."""
-    return bulk_forward_walk(n_rows, bulk) > 0
-
-
 #: Stream family: window values (positions x vec) per thread, and threads per CTA. A CTA holds
 #: one row's whole window (n_chunks lanes) for col_threads column slices. Swept on the H200
 #: (benchmark/NOTES.md): the forward runs at 32 (at 16 it fits 64 registers and 4 CTAs per SM
