@@ -168,8 +168,9 @@ WINDOW_FWD_BULK_MIN_STAGES = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MI
 #: against 78.0, 512x256 r4 141-145 against 163, 3x8192 r2 34.3 against 39.3, 1x65536 r1 91.0
 #: against 98.3), slower for coff 1 (1x65536 r4 d512 41.7 against 40.7, r2 47.6 against 43.8)
 #: and for head_dim 128-256 (1x262144 r4 c2 d128 81.6 against 79.4, 1x32768 r4 c2 d256 23.7
-#: against 22.2).
-WINDOW_FWD_BULK_MIN_HEAD_DIM = 512
+#: against 22.2); session 13 again: 64x1000 r4 c2 d128 25.1 against 23.1, 1x65536 r4 c2 d128 24.8
+#: against 22.3. Tuning knob, CSA_FRONTEND_WINDOW_FWD_BULK_MIN_HEAD_DIM.
+WINDOW_FWD_BULK_MIN_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MIN_HEAD_DIM", "512"))
 WINDOW_FWD_BULK_COFFS = (2,)
 
 
