@@ -74,10 +74,8 @@ def _keys_by_config():
         if direction == "fwd":  # the bulk-copy forward compiles with it, where the planner has one
             planned = {choose_schedule(ratio, coff, head_dim, "fwd"),
                        bulk_forward_schedule(ratio, coff, head_dim, arch)}
-        else:
-            planned = {choose_schedule(ratio, coff, head_dim, "bwd")}
-        if direction != "fwd":  # the backward's row-count bucket compiles with it
-            planned.add(few_rows_schedule(ratio, coff, head_dim))
+        else:  # the backward's row-count bucket compiles with it
+            planned = {choose_schedule(ratio, coff, head_dim, "bwd"), few_rows_schedule(ratio, coff, head_dim)}
         assert key_arch == arch and sched in planned, key
         grouped.setdefault((direction, ratio, coff, head_dim), []).append(key)
     return grouped
