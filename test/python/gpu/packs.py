@@ -1,6 +1,8 @@
-"""Pack builders shared by the GPU tests and the benchmark: offsets from segment lengths."""
+"""Pack builders shared by the GPU tests and the benchmark: offsets from segment lengths, random
+inputs, and the fuzz test's seeded random cases."""
 from __future__ import annotations
 
+import random
 from typing import List, Sequence
 
 import torch
@@ -29,3 +31,57 @@ def random_inputs(n_tok: int, ratio: int, coff: int, head_dim: int, device="cuda
     score = (2 * torch.randn(n_tok, cols, device=device, generator=generator)).to(torch.bfloat16)
     ape = 0.5 * torch.randn(ratio, cols, device=device, generator=generator)
     return kv, score, ape
+
+
+#: (ratio, coff, head_dim) of the tests that need a configuration not yet compiled in their
+#: process (compile under capture); no other test may use them.
+COLD_CONFIG_CAPTURE = (96, 2, 128)
+COLD_CONFIG_RAISE = (5, 1, 96)
+COLD_CONFIGS = (COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE)
+
+#: seeds the GPU fuzz test draws
+FUZZ_CASES = 48
+#: kv elements (tokens x coff*head_dim) a short case may allocate; the fp64 oracle multiplies it
+SHORT_BUDGET = 6_000_000
+#: rows of a long case: past every "long launch" threshold of the planner on the H200
+LONG_ROWS = (4300, 6500)
+
+
+def draw_fuzz_case(seed: int):
+    """(ratio, coff, head_dim, lengths, pad_rows, extra_tokens) of one seed."""
+    rng = random.Random(seed)
+    if rng.random() < 0.2:
+        return _draw_long_fuzz_case(rng)
+    while True:
+        ratio = rng.choice([rng.randint(1, 8), rng.randint(9, 64), rng.randint(65, 256), 4, 128])
+        coff = rng.choice([1, 2])
+        head_dim = rng.choice([rng.randrange(2, 258, 2), rng.randrange(258, 1026, 2), rng.randint(1, 300), 512,
+                               rng.randrange(1026, 4098, 2)])
+        if (ratio, coff, head_dim) not in COLD_CONFIGS:
+            break
+    edges = [0, max(ratio - 1, 0), ratio, ratio + 1]
+    lengths = []
+    for _ in range(rng.randint(1, 12)):
+        if rng.random() < 0.5:
+            lengths.append(rng.choice(edges))
+        else:
+            lengths.append(rng.randint(0, rng.choice([6, 40]) * ratio + 7))
+    # keep the pack (and the oracle's float64 copies) small: drop segments from the end
+    cols = coff * head_dim
+    while len(lengths) > 1 and sum(lengths) * cols > SHORT_BUDGET:
+        lengths.pop()
+    lengths[0] = min(lengths[0], SHORT_BUDGET // cols)
+    return ratio, coff, head_dim, lengths, rng.choice([0, 0, 1, 3]), rng.choice([0, 1, 5])
+
+
+def _draw_long_fuzz_case(rng: random.Random):
+    """Many rows of a small ratio at a wide head_dim (register-window family), in segments of
+    mixed lengths, so the long-launch schedules run across segment boundaries."""
+    ratio = rng.choice([1, 2, 3, 4, 4])
+    coff = rng.choice([1, 2, 2])
+    head_dim = rng.choice([512, 520, 768, 1024])
+    rows = rng.randint(*LONG_ROWS)
+    lengths = []
+    while sum(n // ratio for n in lengths) < rows:
+        lengths.append(rng.choice([0, ratio - 1, rng.randint(ratio, 64 * ratio + 3), rng.randint(ratio, 2048 * ratio)]))
+    return ratio, coff, head_dim, lengths, rng.choice([0, 2]), rng.choice([0, 3])
