@@ -34,7 +34,7 @@ import csa_frontend.compressor.api as api
 from csa_frontend import (CSACompressorForward, csa_compress, csa_compressor_backward_wrapper,
                           csa_compressor_forward_wrapper)
 from csa_frontend.compressor import kernels, plan
-from csa_frontend.compressor.kernels import dispatch, schedule
+from csa_frontend.compressor.kernels import dispatch
 
 
 def make_problem(segments, seqlen, ratio, coff, head_dim):
@@ -149,13 +149,8 @@ def wrapper_steps(p, ratio, coff, head_dim):
     kv, score, ape, cu, comp, rows, out = (p[k] for k in ("kv", "score", "ape", "cu", "comp", "rows", "out"))
     key = ("forward", kv.device, ratio, coff, None)
     fp = api._fast_plans[key]
-    fn, sched, bulk = dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim)
-    launch_args = (kv, score, ape, cu, comp, out)
-    per_cta = 0 if bulk is None else schedule.bulk_forward_walk(rows, bulk[1])
-    if per_cta:
-        fn, launch_args = bulk[0], launch_args + (per_cta,)
-    elif sched.family == "stream":
-        launch_args += (schedule.fwd_rows_per_cta(rows, sched),)
+    fn, launch_args = dispatch.forward_call(*dispatch._kernels_for("fwd", kv.device, ratio, coff, head_dim),
+                                            kv, score, ape, cu, comp, out)
     return [
         ("fast-plan lookup", lambda: api._fast_plans.get(("forward", kv.device, ratio, coff, None))),
         ("_FastPlan.beyond_entry_checks (incl. env read)", lambda: fp.beyond_entry_checks(kv, cu, comp, rows)),

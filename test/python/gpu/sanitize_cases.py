@@ -61,14 +61,18 @@ def main():
         print(f"r{case[0]} c{case[1]} d{case[2]}: ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
     from csa_frontend.compressor.kernels import schedule
+    saved = schedule.STREAM_BWD_FEW_ROWS
     schedule.STREAM_BWD_FEW_ROWS = 0
     for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
         run_case(*case)
         print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
+    schedule.STREAM_BWD_FEW_ROWS = saved
     # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
     if schedule.bulk_forward_schedule(4, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
+        saved = schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS
         schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = 1, 3
         run_case(4, 2, 512, repeat=4)
+        schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = saved
         print("r4 c2 d512 (bulk-copy forward): ok", flush=True)
     # the register-window backward's interleaved row walk, three CTAs (every step a new lookup)
     saved = schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS

@@ -307,15 +307,22 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
-def _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+def forward_call(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    """(compiled function, its arguments) of one forward launch: the bulk-copy kernel where the
+    row count gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own."""
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
     per_cta = 0 if bulk is None else bulk_forward_walk(rows, bulk[1])
     if per_cta:
-        bulk[0](kv, score, ape, cu_seqlens, cu_seqlens_comp, out, per_cta)
-    elif sched.family == "stream":
-        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fwd_rows_per_cta(rows, sched))
-    else:
-        fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        return bulk[0], args + (per_cta,)
+    if sched.family == "stream":
+        return fn, args + (fwd_rows_per_cta(rows, sched),)
+    return fn, args
+
+
+def _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    call, args = forward_call(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    call(*args)
 
 
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim, stream=None):
