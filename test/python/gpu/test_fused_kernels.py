@@ -385,6 +385,36 @@ def test_stream_deterministic():
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("n_slab", [1, 5, 31, 32, 33, 250, 256, 600, 1500])
+def test_slab_reduction_order(n_slab):
+    """``ape_reduce`` sums the slabs in its documented order, bit for bit, whatever the slab
+    count: ``ape_split`` chunks, each summed from 0.0 in slab order, then the chunk sums in
+    chunk order (chunks that end inside a block of loads take the predicated path)."""
+    from csa_frontend.compressor.kernels import dispatch
+    from csa_frontend.compressor.kernels.schedule import ape_split
+    ratio, coff, head_dim = 4, 2, 128
+    _, reduce, _, _ = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio,
+                                            coff, head_dim)
+    n = ratio * coff * head_dim
+    g = torch.Generator(device="cuda").manual_seed(n_slab)
+    slab = 10 * torch.randn(n_slab, n, device="cuda", generator=g)
+    got = torch.full((n,), float("nan"), device="cuda")
+    split = ape_split(n_slab)
+    reduce(slab, got, split)
+    chunk = -(-n_slab // split)
+    parts = []
+    for j in range(split):
+        acc = torch.zeros(n, device="cuda")
+        for k in range(j * chunk, min((j + 1) * chunk, n_slab)):
+            acc = acc + slab[k]
+        parts.append(acc)
+    want = parts[0]
+    for part in parts[1:]:
+        want = want + part
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {n} elements differ"
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (3, 1, 65), (128, 2, 256)])
 def test_atomic_grad_ape_path(ratio, coff, head_dim):
     """deterministic=False: same grad_kv/grad_score bits, grad_ape equal up to summation order."""
