@@ -43,7 +43,7 @@ COLD_CONFIGS = (COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE)
 FUZZ_CASES = 48
 #: kv elements (tokens x coff*head_dim) a short case may allocate; the fp64 oracle multiplies it
 SHORT_BUDGET = 6_000_000
-#: rows of a long case: past every "long launch" threshold of the planner on the H200
+#: rows of a long case: enough for the long-launch schedules (bulk-copy forward, interleaved backward)
 LONG_ROWS = (4300, 6500)
 
 
