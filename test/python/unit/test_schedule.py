@@ -321,3 +321,34 @@ def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
         stages = -(-rows // s.row_lanes)
         ctas = -(-stages // per)
         assert ctas * per >= stages > (ctas - 1) * per and ctas <= sch.WINDOW_FWD_BULK_CTAS
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim,routes", [
+    (4, 2, 512, {"bulk", "window"}), (4, 2, 128, {"window"}), (128, 2, 128, {"stream"})])
+def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, routes):
+    """``dispatch.forward_call``, the one place a forward launch picks its kernel and trailing
+    argument: the bulk-copy kernel with its stages per CTA from the row count on where the
+    planner has one, else the stream forward with its rows per CTA, else the plain window one."""
+    import torch
+
+    from csa_frontend.compressor.kernels import dispatch
+    sched = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    bulk_sched = sch.bulk_forward_schedule(ratio, coff, head_dim, "sm_90a")
+    bulk = None if bulk_sched is None else ("bulk", bulk_sched)
+    inputs = tuple(torch.empty(0, device="meta") for _ in range(5))
+    seen = set()
+    for rows in (1, 4000, 10 ** 6):
+        out = torch.empty(rows, head_dim, device="meta")
+        fn, args = dispatch.forward_call("own", sched, bulk, *inputs, out)
+        assert args[:6] == inputs + (out,)
+        per_cta = sch.bulk_forward_walk(rows, bulk_sched)
+        if per_cta:
+            assert (fn, args[6:]) == ("bulk", (per_cta,))
+            seen.add("bulk")
+        elif sched.family == "stream":
+            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched),))
+            seen.add("stream")
+        else:
+            assert (fn, args[6:]) == ("own", ())
+            seen.add("window")
+    assert seen == routes
