@@ -8,12 +8,12 @@ is read from DRAM exactly once.
 
 Softmax by partials: a warp takes ``m``, the exact max over its chunks (a shuffle butterfly,
 so every lane agrees), and sums ``d = sum exp(s - m)`` and ``a = sum kv * exp(s - m)`` down
-the warp in chunk order. The warps' ``(m, d, a)`` partials merge pairwise in warp order through
-shared memory (the smaller max rescaled by ``exp(m_lo - m_hi)``), and ``out = a / d`` rounds
-once to bf16. One barrier per row (the partial buffers alternate between rows), and no
-per-element division. The merge
-order is fixed, so outputs are bitwise reproducible; they differ from the reference by
-re-association only (tolerance contract, docs/csa_compressor.md).
+the warp in chunk order. The warps' ``(m, d, a)`` partials meet in shared memory; one thread
+per column takes their max and adds every warp's sums rescaled by ``exp(m_w - max)`` in warp
+order (``merge_groups``), and ``out = a / d`` rounds once to bf16. One barrier per row (the
+partial buffers alternate between rows), and no per-element division. The merge order is
+fixed, so outputs are bitwise reproducible; they differ from the reference by re-association
+only (tolerance contract, docs/csa_compressor.md).
 
 Grid: x over groups of ``rows_per_cta`` rows, y over column tiles of ``col_threads`` slices.
 """
@@ -44,20 +44,31 @@ def exp_shifted(s: Float32, m: Float32, m_scaled: Float32, fast: cutlass.Constex
 
 
 @cute.jit
-def merge_partials(m1: Float32, d1: Float32, a1: Float32, m2: Float32, d2: Float32, a2: Float32,
-                   fast: cutlass.Constexpr):
-    """Merge softmax partials ``(max, sum exp(s - max), sum kv exp(s - max))``: the one with the
-    smaller max is rescaled by ``exp(m_lo - m_hi)`` (0 when it saw only -inf). NaN in either
+def merge_groups(sM: cute.Tensor, sD: cute.Tensor, sA: cute.Tensor, par: Int32, j: Int32,
+                 groups: cutlass.Constexpr, fast: cutlass.Constexpr):
+    """``a / d`` of column ``j`` from the warp groups' softmax partials ``(max, sum exp(s - max),
+    sum kv exp(s - max))``: the window max first, then every group's sums rescaled once by
+    ``exp(m_g - max)`` (exactly 1 for the group that holds the max, 0 for one that saw only
+    -inf) and added in group order. The rescalings are independent of each other: a pairwise
+    merge had chained ``groups - 1`` of them through one thread per column. NaN in any
     partial's sums stays NaN, as in the reference."""
-    hi = cute.arch.fmax(m1, m2)
-    top = safe_max(hi)
-    f = exp_shifted(cute.arch.fmin(m1, m2), top, top * Float32(HALF_LOG2E), fast)
-    s1 = Float32(1.0)
-    s2 = f
-    if m1 < m2:
-        s1 = f
-        s2 = Float32(1.0)
-    return hi, d1 * s1 + d2 * s2, a1 * s1 + a2 * s2
+    m = sM[par, 0, j]
+    for g in cutlass.range_constexpr(1, groups):
+        m = cute.arch.fmax(m, sM[par, g, j])
+    top = safe_max(m)
+    top_scaled = top * Float32(HALF_LOG2E)
+    d = Float32(0.0)
+    a = Float32(0.0)
+    for g in cutlass.range_constexpr(groups):
+        mg = sM[par, g, j]
+        f = Float32(cutlass.select_(mg == top, Float32(1.0), exp_shifted(mg, top, top_scaled, fast)))
+        if cutlass.const_expr(g == 0):
+            d = sD[par, g, j] * f
+            a = sA[par, g, j] * f
+        else:
+            d = d + sD[par, g, j] * f
+            a = a + sA[par, g, j] * f
+    return a / d
 
 
 def merge_buffers(groups: int, tile_cols: int):
@@ -184,10 +195,5 @@ class StreamForward(PoolingKernel):
                 for q in cutlass.range_constexpr(-(-tile_cols // threads)):
                     j = (tidx + 32 * it) % threads + q * threads
                     if j < tile_cols and by * ct + j // vec < n_vec:
-                        m = sM[par, 0, j]
-                        d = sD[par, 0, j]
-                        a = sA[par, 0, j]
-                        for g in cutlass.range_constexpr(1, groups):
-                            m, d, a = merge_partials(m, d, a, sM[par, g, j], sD[par, g, j], sA[par, g, j], fast)
-                        mOut[row, by * tile_cols + j] = (a / d).to(BFloat16)
+                        mOut[row, by * tile_cols + j] = merge_groups(sM, sD, sA, par, j, groups, fast).to(BFloat16)
             row, own0, has_prev = nrow, nown0, nhas_prev
