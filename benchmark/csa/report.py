@@ -20,9 +20,17 @@ def cell(r, key, fmt="{:.1f}"):
     return fmt.format(r[key]) if key in r else "-"
 
 
+def copy_cell(r):
+    """The same-bytes copy's fwd/bwd us and % of the floor (runs without the copy provider: -)."""
+    if "fwd_copy_us" not in r and "bwd_copy_us" not in r:
+        return "-"
+    return (f"{cell(r, 'fwd_copy_us')}/{cell(r, 'bwd_copy_us')} ({cell(r, 'fwd_copy_pct_floor', '{:.0f}')}%/"
+            f"{cell(r, 'bwd_copy_pct_floor', '{:.0f}')}%)")
+
+
 def table(meta):
-    rows = ["| shape | floor fwd/bwd us | fused fwd us (% floor) | fused bwd us (% floor) | best known fwd/bwd us | eager fwd/bwd us | wall clock fwd us |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| shape | floor fwd/bwd us | fused fwd us (% floor) | fused bwd us (% floor) | same-bytes copy fwd/bwd us (% floor) | best known fwd/bwd us | eager fwd/bwd us | wall clock fwd us |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in meta["results"]:
         best = BEST_KNOWN.get(r["shape"], (None, None))
         best_s = "/".join("-" if b is None else f"{b:g}" for b in best)
@@ -30,6 +38,7 @@ def table(meta):
             f"| {r['shape']} | {cell(r, 'fwd_floor_us')}/{cell(r, 'bwd_floor_us')} "
             f"| {cell(r, 'fwd_fused_us')} ({cell(r, 'fwd_fused_pct_floor', '{:.0f}')}%) "
             f"| {cell(r, 'bwd_fused_us')} ({cell(r, 'bwd_fused_pct_floor', '{:.0f}')}%) "
+            f"| {copy_cell(r)} "
             f"| {best_s} | {cell(r, 'fwd_eager_us', '{:.0f}')}/{cell(r, 'bwd_eager_us', '{:.0f}')} "
             f"| {cell(r, 'fwd_fused_wall_us')} |")
     return "\n".join(rows)

@@ -20,3 +20,16 @@ def test_index_and_explicit_shapes():
 def test_malformed_shape_names_the_item(item):
     with pytest.raises(SystemExit, match=item):
         bench.parse_shape(item)
+
+
+@pytest.mark.L0
+def test_report_shows_the_same_bytes_copy_only_when_measured():
+    import report
+
+    row = {"shape": "1x8192 r4 c2 d128", "fwd_floor_us": 2.0, "fwd_fused_us": 4.0, "fwd_fused_pct_floor": 50.0,
+           "bwd_floor_us": 4.0, "bwd_fused_us": 8.0, "bwd_fused_pct_floor": 50.0}
+    without = report.table({"results": [row]}).splitlines()[-1]
+    with_copy = report.table({"results": [dict(row, fwd_copy_us=2.5, fwd_copy_pct_floor=80.0, bwd_copy_us=5.0,
+                                               bwd_copy_pct_floor=80.0)]}).splitlines()[-1]
+    assert "| - | 5.4/13.4 |" in without
+    assert "| 2.5/5.0 (80%/80%) | 5.4/13.4 |" in with_copy
