@@ -185,13 +185,16 @@ def test_stream_ctas_widen_only_wide_windows(ratio, coff, head_dim):
 @pytest.mark.parametrize("head_dim", [2, 65, 66, 128, 192, 512, 4096])
 def test_few_rows_schedule_is_a_narrower_stream_schedule(ratio, coff, head_dim):
     """The row-count bucket's schedule: only for stream backwards wider than vec 2; vec 2 at the
-    default's CTA width, covering the same problem."""
+    default's CTA width (at most 256 threads for windows of up to STREAM_BWD_FEW_ROWS_NARROW
+    positions), covering the same problem."""
     default = sch.choose_schedule(ratio, coff, head_dim, "bwd")
     few = sch.few_rows_schedule(ratio, coff, head_dim)
     if default.family == "window" or default.vec <= 2:
         assert few is None
         return
-    assert few.family == "stream" and few.vec == 2 and few.threads == default.threads
+    narrow = coff * ratio <= sch.STREAM_BWD_FEW_ROWS_NARROW and default.threads == 512
+    width = 256 if narrow else default.threads
+    assert few.family == "stream" and few.vec == 2 and few.threads == width
     n_vec = head_dim // few.vec
     assert few.col_threads * few.col_tiles >= n_vec > few.col_threads * (few.col_tiles - 1)
     assert few.row_lanes * few.chunk >= coff * ratio and few.row_lanes % max(1, 32 // few.col_threads) == 0
@@ -227,6 +230,17 @@ def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, on
     few = sch.few_rows_schedule(ratio, coff, head_dim)
     if few is not None:
         assert sch.combines_once_per_cta(few) is (sch.warp_groups(few) >= sch.STREAM_BWD_COMBINE_GROUPS)
+
+
+@pytest.mark.parametrize("ratio,coff,default,few", [
+    (64, 1, 512, 256), (128, 1, 512, 256), (64, 2, 512, 256),  # 64-128 positions: 256 threads
+    (256, 1, 512, 512), (128, 2, 512, 512), (256, 2, 512, 512),  # wider: the default's 512
+    (33, 2, 288, 288), (100, 1, 416, 416)])  # defaults below 512 (not measured): kept
+def test_few_rows_width_boundary(ratio, coff, default, few):
+    """The measured split (STREAM_BWD_FEW_ROWS_NARROW, 128 positions): narrow windows' few-rows
+    launches run 256-thread CTAs where the default has 512, every other keeps the default's."""
+    assert sch.choose_schedule(ratio, coff, 512, "bwd").threads == default
+    assert sch.few_rows_schedule(ratio, coff, 512).threads == few
 
 
 def test_combine_knob_off_means_every_warp_combines(monkeypatch):

@@ -336,16 +336,32 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
 #: vec-2 schedule is slower (1x65536 r128 c2 d512 175 -> 199 us, 1x262144 r128 c2 d128 177 ->
 #: 202 us). 0 turns the bucket off. Tuning knob, e.g. CSA_FRONTEND_STREAM_BWD_FEW_ROWS=0.
 STREAM_BWD_FEW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS", "2"))
+#: Few-rows schedule: windows of at most this many positions (``coff * ratio``) whose default
+#: CTA has 512 threads run it in 256-thread CTAs (two per SM, up to 8 warp groups each, so every warp combines and a row has
+#: two barriers) instead of the default's width. Measured on the H200, same run, bwd us default
+#: width / 256 threads: 1x4096 r64 c1 d512 10.9 / 9.8-9.9, 1x8192 r128 c1 d128 8.2-8.3 / 7.9,
+#: 1x16384 r128 c1 d128 10.4 / 10.1-10.2, 1x4096 r64 c2 d256 10.7-10.8 / 10.5; wider windows lose
+#: (2x4096 r200 c1 d192 10.7 / 10.7, 1x8192 r256 c1 d256 11.0-11.1 / 12.0-12.1, 1x8192 r128 c2
+#: d128 11.3 / 12.7, 1x16384 r128 c2 d128 18.3 / 21.7). 0 keeps the default's width everywhere.
+#: Tuning knob, CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW.
+STREAM_BWD_FEW_ROWS_NARROW = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW", "128"))
+STREAM_BWD_FEW_ROWS_NARROW_THREADS = 256
 
 
 @lru_cache(maxsize=None)
 def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
     """The stream backward's schedule for launches of few rows per CTA (``STREAM_BWD_FEW_ROWS``),
-    or None where the default has no narrower variant (window family, vec already <= 2)."""
+    or None where the default has no narrower variant (window family, vec already <= 2): vec 2,
+    at the default's CTA width, or at 256 threads instead of 512 for windows of at most
+    ``STREAM_BWD_FEW_ROWS_NARROW`` positions."""
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
     if sched.family != "stream" or sched.vec <= 2:
         return None
-    return _stream_schedule(ratio, coff, head_dim, 2, "bwd", threads=sched.threads)
+    threads = sched.threads
+    if coff * ratio <= STREAM_BWD_FEW_ROWS_NARROW and threads == 2 * STREAM_BWD_FEW_ROWS_NARROW_THREADS:
+        # measured only against 512-thread defaults; other widths keep theirs
+        threads = STREAM_BWD_FEW_ROWS_NARROW_THREADS
+    return _stream_schedule(ratio, coff, head_dim, 2, "bwd", threads=threads)
 
 
 def takes_few_rows_schedule(n_rows: int, sched: Schedule) -> bool:
