@@ -288,10 +288,11 @@ def test_stream_row_buckets_capture_after_one_long_call():
     kernels.backward(kv, score, ape, cu, comp, grad_out, torch.empty_like(kv), torch.empty_like(score),
                      torch.empty_like(ape), ratio=ratio, coff=coff, head_dim=d)
     sched = schedule.choose_schedule(ratio, coff, d, "bwd")
-    assert not schedule.takes_few_rows_schedule(int(comp[-1]), sched)
+    few = schedule.few_rows_schedule(ratio, coff, d)
+    assert not schedule.takes_few_rows_schedule(int(comp[-1]), sched, few)
     keys = dispatch.cache_keys()
     short_cu, short_comp = offsets([ratio * 3 + 5, 2 * ratio], ratio)
-    assert schedule.takes_few_rows_schedule(int(short_comp[-1]), sched)
+    assert schedule.takes_few_rows_schedule(int(short_comp[-1]), sched, few)
     skv, sscore = kv[: int(short_cu[-1])].clone(), score[: int(short_cu[-1])].clone()
     sgo = grad_out[: int(short_comp[-1])].clone()
     gkv, gs, gape = torch.empty_like(skv), torch.empty_like(sscore), torch.empty_like(ape)

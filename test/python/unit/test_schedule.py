@@ -232,6 +232,28 @@ def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, on
         assert sch.combines_once_per_cta(few) is (sch.warp_groups(few) >= sch.STREAM_BWD_COMBINE_GROUPS)
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (64, 1, 512), (64, 2, 256), (128, 2, 128)])
+def test_few_rows_bucket_is_wider_for_the_narrow_variant(ratio, coff, head_dim):
+    """With its few-rows schedule passed, a launch takes it up to STREAM_BWD_FEW_ROWS_NARROW_ROWS
+    rows per CTA where that schedule is the narrow (256-thread) one, else up to
+    STREAM_BWD_FEW_ROWS; both count rows per CTA of the default schedule."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    few = sch.few_rows_schedule(ratio, coff, head_dim)
+    narrow = few.threads < s.threads
+    assert narrow is (coff * ratio <= sch.STREAM_BWD_FEW_ROWS_NARROW)
+    limit = sch.STREAM_BWD_FEW_ROWS_NARROW_ROWS if narrow else sch.STREAM_BWD_FEW_ROWS
+    row_ctas = max(1, sch.STREAM_BWD_TARGET_THREADS // s.threads // s.col_tiles)
+    assert sch.takes_few_rows_schedule(row_ctas * limit, s, few)
+    assert not sch.takes_few_rows_schedule(row_ctas * limit + 1, s, few)
+    assert sch.takes_few_rows_schedule(row_ctas * 2, s) and not sch.takes_few_rows_schedule(row_ctas * 2 + 1, s)
+
+
+def test_few_rows_knob_off_means_never(monkeypatch):
+    monkeypatch.setattr(sch, "STREAM_BWD_FEW_ROWS", 0)
+    s = sch.choose_schedule(128, 1, 128, "bwd")
+    assert not sch.takes_few_rows_schedule(1, s, sch.few_rows_schedule(128, 1, 128))
+
+
 @pytest.mark.parametrize("ratio,coff,default,few", [
     (64, 1, 512, 256), (128, 1, 512, 256), (64, 2, 512, 256),  # 64-128 positions: 256 threads
     (256, 1, 512, 512), (128, 2, 512, 512), (256, 2, 512, 512),  # wider: the default's 512

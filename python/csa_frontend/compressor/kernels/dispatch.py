@@ -340,7 +340,7 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
 def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
-    if few is not None and takes_few_rows_schedule(n_rows, sched):
+    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2]):
         main, reduce, sched = few
     rpt = bwd_rows_per_thread(n_rows, sched)
     groups = bwd_row_groups(n_rows, sched, rpt)

@@ -364,10 +364,26 @@ def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None"
     return _stream_schedule(ratio, coff, head_dim, 2, "bwd", threads=threads)
 
 
-def takes_few_rows_schedule(n_rows: int, sched: Schedule) -> bool:
-    """Whether a backward launch of ``n_rows`` rows runs ``few_rows_schedule`` instead of
-    ``sched`` (the default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows."""
-    return sched.family == "stream" and bwd_rows_per_thread(n_rows, sched) <= STREAM_BWD_FEW_ROWS
+#: Rows per CTA up to which a launch takes the few-rows schedule where that schedule is the
+#: narrow-window one (256-thread CTAs). Measured on the H200, same run, bwd us at 2 / 4 / 8:
+#: 4 rows per CTA 1x32768 r128 c1 d128 17.9 / 15.3 / 15.3, 1x8192 r64 c1 d512 17.3-17.4 / 15.0 /
+#: 15.0, 1x8192 r64 c2 d256 17.0 / 16.0 / 15.9; 8 rows per CTA 1x65536 r128 c1 d128 27.8 / 27.7-27.8
+#: / 26.5, 1x16384 r64 c1 d512 26.3 / 26.3 / 26.0, 1x16384 r64 c2 d256 26.9 / 26.8-26.9 / 27.4.
+#: Tuning knob, CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS.
+STREAM_BWD_FEW_ROWS_NARROW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS", "4"))
+
+
+def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None" = None) -> bool:
+    """Whether a backward launch of ``n_rows`` rows runs the few-rows schedule ``few`` instead
+    of ``sched`` (the default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows, or
+    ``STREAM_BWD_FEW_ROWS_NARROW_ROWS`` where ``few`` is the narrow-window variant (fewer
+    threads than the default). ``few`` None: the first limit."""
+    if sched.family != "stream" or STREAM_BWD_FEW_ROWS <= 0:
+        return False
+    limit = STREAM_BWD_FEW_ROWS
+    if few is not None and few.threads < sched.threads:
+        limit = max(limit, STREAM_BWD_FEW_ROWS_NARROW_ROWS)
+    return bwd_rows_per_thread(n_rows, sched) <= limit
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
