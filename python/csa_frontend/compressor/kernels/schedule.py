@@ -338,12 +338,12 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
 STREAM_BWD_FEW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS", "2"))
 #: Few-rows schedule: windows of at most this many positions (``coff * ratio``) whose default
 #: CTA has 512 threads run it in 256-thread CTAs (two per SM, up to 8 warp groups each, so every
-#: warp combines and a row has two barriers) instead of the default's width. Measured on the H200, same run, bwd us default
-#: width / 256 threads: 1x4096 r64 c1 d512 10.9 / 9.8-9.9, 1x8192 r128 c1 d128 8.2-8.3 / 7.9,
-#: 1x16384 r128 c1 d128 10.4 / 10.1-10.2, 1x4096 r64 c2 d256 10.7-10.8 / 10.5; wider windows lose
-#: (2x4096 r200 c1 d192 10.7 / 10.7, 1x8192 r256 c1 d256 11.0-11.1 / 12.0-12.1, 1x8192 r128 c2
-#: d128 11.3 / 12.7, 1x16384 r128 c2 d128 18.3 / 21.7). 0 keeps the default's width everywhere.
-#: Tuning knob, CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW.
+#: warp combines and a row has two barriers) instead of the default's width. Measured on the
+#: H200, same run, bwd us default width / 256 threads: 1x4096 r64 c1 d512 10.9 / 9.8-9.9, 1x8192
+#: r128 c1 d128 8.2-8.3 / 7.9, 1x16384 r128 c1 d128 10.4 / 10.1-10.2, 1x4096 r64 c2 d256
+#: 10.7-10.8 / 10.5; wider windows lose (2x4096 r200 c1 d192 10.7 / 10.7, 1x8192 r256 c1 d256
+#: 11.0-11.1 / 12.0-12.1, 1x8192 r128 c2 d128 11.3 / 12.7, 1x16384 r128 c2 d128 18.3 / 21.7).
+#: 0 keeps the default's width everywhere. Tuning knob, CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW.
 STREAM_BWD_FEW_ROWS_NARROW = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW", "128"))
 STREAM_BWD_FEW_ROWS_NARROW_THREADS = 256
 
