@@ -200,19 +200,26 @@ def test_few_rows_schedule_is_a_narrower_stream_schedule(ratio, coff, head_dim):
     assert few.row_lanes * few.chunk >= coff * ratio and few.row_lanes % max(1, 32 // few.col_threads) == 0
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (128, 2, 512), (64, 1, 512), (16, 2, 256)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (128, 2, 512), (64, 1, 512), (16, 2, 256),
+                                                (128, 1, 128), (64, 2, 256)])
 def test_few_rows_bucket_boundary(ratio, coff, head_dim):
-    """The bucket is a function of the row count and the default schedule only: launches whose
-    CTAs walk at most STREAM_BWD_FEW_ROWS rows take the few-rows schedule, the next row count
-    takes the default."""
+    """The bucket is a function of the row count and the two schedules only: launches whose
+    CTAs walk at most STREAM_BWD_FEW_ROWS rows of the default schedule (STREAM_BWD_FEW_ROWS_NARROW_ROWS
+    where the few-rows schedule is the narrow, fewer-threads variant) take the few-rows
+    schedule, the next row count takes the default."""
     s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    few = sch.few_rows_schedule(ratio, coff, head_dim)
+    narrow = few.threads < s.threads
+    assert narrow is (coff * ratio <= sch.STREAM_BWD_FEW_ROWS_NARROW and s.threads == 512)
+    limit = sch.STREAM_BWD_FEW_ROWS_NARROW_ROWS if narrow else sch.STREAM_BWD_FEW_ROWS
     row_ctas = max(1, sch.STREAM_BWD_TARGET_THREADS // s.threads // s.col_tiles)
-    last = row_ctas * sch.STREAM_BWD_FEW_ROWS
+    last = row_ctas * limit
     for n_rows in (0, 1, row_ctas, last):
-        assert sch.takes_few_rows_schedule(n_rows, s)
+        assert sch.takes_few_rows_schedule(n_rows, s, few)
     for n_rows in (last + 1, 10 * last, 10 ** 6):
-        assert not sch.takes_few_rows_schedule(n_rows, s)
-    assert not sch.takes_few_rows_schedule(1, sch.choose_schedule(4, 2, 128, "bwd"))  # window family
+        assert not sch.takes_few_rows_schedule(n_rows, s, few)
+    assert not sch.takes_few_rows_schedule(1, sch.choose_schedule(4, 2, 128, "bwd"), few)  # window family
+    assert not sch.takes_few_rows_schedule(1, s, None)  # a configuration without a few-rows schedule
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [
@@ -230,22 +237,6 @@ def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, on
     few = sch.few_rows_schedule(ratio, coff, head_dim)
     if few is not None:
         assert sch.combines_once_per_cta(few) is (sch.warp_groups(few) >= sch.STREAM_BWD_COMBINE_GROUPS)
-
-
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (64, 1, 512), (64, 2, 256), (128, 2, 128)])
-def test_few_rows_bucket_is_wider_for_the_narrow_variant(ratio, coff, head_dim):
-    """With its few-rows schedule passed, a launch takes it up to STREAM_BWD_FEW_ROWS_NARROW_ROWS
-    rows per CTA where that schedule is the narrow (256-thread) one, else up to
-    STREAM_BWD_FEW_ROWS; both count rows per CTA of the default schedule."""
-    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
-    few = sch.few_rows_schedule(ratio, coff, head_dim)
-    narrow = few.threads < s.threads
-    assert narrow is (coff * ratio <= sch.STREAM_BWD_FEW_ROWS_NARROW)
-    limit = sch.STREAM_BWD_FEW_ROWS_NARROW_ROWS if narrow else sch.STREAM_BWD_FEW_ROWS
-    row_ctas = max(1, sch.STREAM_BWD_TARGET_THREADS // s.threads // s.col_tiles)
-    assert sch.takes_few_rows_schedule(row_ctas * limit, s, few)
-    assert not sch.takes_few_rows_schedule(row_ctas * limit + 1, s, few)
-    assert sch.takes_few_rows_schedule(row_ctas * 2, s) and not sch.takes_few_rows_schedule(row_ctas * 2 + 1, s)
 
 
 def test_few_rows_knob_off_means_never(monkeypatch):

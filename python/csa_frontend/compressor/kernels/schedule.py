@@ -373,15 +373,16 @@ def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None"
 STREAM_BWD_FEW_ROWS_NARROW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS", "4"))
 
 
-def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None" = None) -> bool:
-    """Whether a backward launch of ``n_rows`` rows runs the few-rows schedule ``few`` instead
-    of ``sched`` (the default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows, or
+def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None") -> bool:
+    """Whether a backward launch of ``n_rows`` rows runs the few-rows schedule ``few``
+    (``few_rows_schedule``; None where the configuration has none) instead of ``sched`` (the
+    default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows, or
     ``STREAM_BWD_FEW_ROWS_NARROW_ROWS`` where ``few`` is the narrow-window variant (fewer
-    threads than the default). ``few`` None: the first limit."""
-    if sched.family != "stream" or STREAM_BWD_FEW_ROWS <= 0:
+    threads than the default)."""
+    if few is None or sched.family != "stream" or STREAM_BWD_FEW_ROWS <= 0:
         return False
     limit = STREAM_BWD_FEW_ROWS
-    if few is not None and few.threads < sched.threads:
+    if few.threads < sched.threads:
         limit = max(limit, STREAM_BWD_FEW_ROWS_NARROW_ROWS)
     return bwd_rows_per_thread(n_rows, sched) <= limit
 
