@@ -10,6 +10,7 @@ script only has to make sure the launches it sanitizes did real work.
     python test/python/gpu/sanitize_cases.py      # exits non-zero on a failed check
 """
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -55,30 +56,38 @@ def run_empty(ratio=4, coff=2, head_dim=128):
     assert out.shape == (0, head_dim) and not any(bool(g.any()) for g in grads)
 
 
+@contextmanager
+def knobs(**values):
+    """The schedule module's tuning knobs set to ``values`` for the block, restored after it."""
+    from csa_frontend.compressor.kernels import schedule
+    saved = {name: getattr(schedule, name) for name in values}
+    for name, value in values.items():
+        setattr(schedule, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(schedule, name, value)
+
+
 def main():
     for case in CASES:
         run_case(*case)
         print(f"r{case[0]} c{case[1]} d{case[2]}: ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
     from csa_frontend.compressor.kernels import schedule
-    saved = schedule.STREAM_BWD_FEW_ROWS
-    schedule.STREAM_BWD_FEW_ROWS = 0
-    for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
-        run_case(*case)
-        print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
-    schedule.STREAM_BWD_FEW_ROWS = saved
+    with knobs(STREAM_BWD_FEW_ROWS=0):
+        for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
+            run_case(*case)
+            print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
     # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
     if schedule.bulk_forward_schedule(4, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
-        saved = schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS
-        schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = 1, 3
-        run_case(4, 2, 512, repeat=4)
-        schedule.WINDOW_FWD_BULK_MIN_STAGES, schedule.WINDOW_FWD_BULK_CTAS = saved
+        with knobs(WINDOW_FWD_BULK_MIN_STAGES=1, WINDOW_FWD_BULK_CTAS=3):
+            run_case(4, 2, 512, repeat=4)
         print("r4 c2 d512 (bulk-copy forward): ok", flush=True)
     # the register-window backward's interleaved row walk, three CTAs (every step a new lookup)
-    saved = schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS
-    schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS = "1", 3
-    run_case(4, 2, 512, repeat=4)
-    schedule.WINDOW_BWD_INTERLEAVE, schedule.BWD_TARGET_CTAS = saved
+    with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
+        run_case(4, 2, 512, repeat=4)
     print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
