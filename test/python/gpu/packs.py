@@ -33,6 +33,33 @@ def random_inputs(n_tok: int, ratio: int, coff: int, head_dim: int, device="cuda
     return kv, score, ape
 
 
+def cancel_windows(kv, score, ape, cu, comp, ratio: int, coff: int, head_dim: int):
+    """In place: each window's last own kv element (per column) set so that the window's
+    softmax-weighted sum nearly cancels (exactly in fp64 before the bf16 rounding of that one
+    element, clamped to +-8). Outputs then sit near zero, where the forward's fast pooling
+    cannot bound its error and must pool exactly."""
+    d = head_dim
+    s64 = score.double()
+    for seg in range(cu.numel() - 1):
+        t0, n = int(cu[seg]), int(comp[seg + 1] - comp[seg])
+        if n == 0:
+            continue
+        own = t0 + ratio * torch.arange(n, device=kv.device)[:, None] + torch.arange(ratio, device=kv.device)
+        kv64 = kv.double()
+        if coff == 1:
+            k, s, cols = kv64[own][..., :d], s64[own][..., :d] + ape[:, :d], slice(0, d)
+        else:
+            prev = (own - ratio).clamp(min=0)
+            kp, sp = kv64[prev][..., :d].clone(), s64[prev][..., :d] + ape[:, :d]
+            kp[0], sp[0] = 0.0, float("-inf")  # a segment's first block has no previous block
+            k = torch.cat([kp, kv64[own][..., d:]], 1)
+            s = torch.cat([sp, s64[own][..., d:] + ape[:, d:]], 1)
+            cols = slice(d, 2 * d)
+        p = torch.softmax(s, dim=1)
+        rest = (k[:, :-1] * p[:, :-1]).sum(1)
+        kv[own[:, -1], cols] = (-rest / p[:, -1]).clamp(-8, 8).to(kv.dtype)
+
+
 #: (ratio, coff, head_dim) of the tests that need a configuration not yet compiled in their
 #: process (compile under capture); no other test may use them.
 COLD_CONFIG_CAPTURE = (96, 2, 128)

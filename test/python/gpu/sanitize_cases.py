@@ -81,10 +81,10 @@ def main():
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
     # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
-    if schedule.bulk_forward_schedule(4, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
+    if schedule.bulk_forward_schedule(2, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
         with knobs(WINDOW_FWD_BULK_MIN_STAGES=1, WINDOW_FWD_BULK_CTAS=3):
-            run_case(4, 2, 512, repeat=4)
-        print("r4 c2 d512 (bulk-copy forward): ok", flush=True)
+            run_case(2, 2, 512, repeat=4)
+        print("r2 c2 d512 (bulk-copy forward): ok", flush=True)
     # the register-window backward's interleaved row walk, three CTAs (every step a new lookup)
     with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
         run_case(4, 2, 512, repeat=4)

@@ -12,7 +12,7 @@ import torch
 from csa_frontend.compressor import kernels
 from csa_frontend.compressor.reference import reference_backward, reference_forward
 
-from .packs import COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE, edge_lengths, offsets, random_inputs
+from .packs import COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE, cancel_windows, edge_lengths, offsets, random_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,6 +152,31 @@ def test_segment_lookup_rounds(n_seg):
     lengths = torch.randint(0, 24, (n_seg,), generator=g).tolist()
     lengths[0], lengths[-2], lengths[-1] = 0, 9, 0
     check_config(4, 2, 128, lengths, pad_rows=3, seed=n_seg)
+
+
+def check_cancelling_forward(ratio, coff, head_dim, lengths, seed):
+    """Windows whose weighted sums cancel to near zero: every ``out`` element within one bf16
+    step of the reference (the checked fast pooling must hand these columns to the exact one;
+    pooled fast, they land many steps away)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim, generator=g)
+    cancel_windows(kv, score, ape, cu, comp, ratio, coff, head_dim)
+    total = int(comp[-1]) + 2
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
+    near_zero = (ref[: int(comp[-1])].float().abs() < 1e-2).float().mean().item()
+    assert near_zero > 0.3, f"only {near_zero:.0%} of the outputs cancel: the test lost its inputs"
+    assert_within_one_step(out, ref)
+    oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
+    assert_oracle_parity("out", out, ref, oracle)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 128), (2, 2, 64), (8, 1, 64), (1, 2, 66),
+                                                 (3, 2, 65), (4, 2, 512)])
+def test_cancelling_windows(ratio, coff, head_dim):
+    check_cancelling_forward(ratio, coff, head_dim, [4096 + 3, 0, 2 * ratio, 1000], seed=ratio + coff)
 
 
 @pytest.mark.L1
@@ -474,12 +499,13 @@ def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
 @pytest.fixture
 def bulk_forward(monkeypatch):
     """Every register-window forward with 16-byte token rows takes the bulk-copy kernel, whatever
-    its coff, head_dim or row count (the planner's thresholds there are measured speed, not
+    its ratio, coff, head_dim or row count (the planner's thresholds there are measured speed, not
     semantics). Yields the schedule module, for tests that also shrink the grid."""
     from csa_frontend.compressor.kernels import dispatch, schedule
     monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_MIN_STAGES", 1)
     monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_MIN_HEAD_DIM", 0)
     monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_COFFS", (1, 2))
+    monkeypatch.setattr(schedule, "WINDOW_FWD_BULK_RATIOS", range(1, 257))
     schedule.bulk_forward_schedule.cache_clear()
     dispatch.clear_cache()
     yield schedule
@@ -531,6 +557,13 @@ def test_bulk_forward_only_padding_rows_in_a_cta(bulk_forward, monkeypatch):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (2, 1, 128)])
+def test_bulk_forward_cancelling_windows(bulk_forward, ratio, coff, head_dim):
+    check_cancelling_forward(ratio, coff, head_dim, [4096 + 3, 0, 2 * ratio, 1000], seed=5)
+    assert ran_bulk_forward(ratio, coff, head_dim)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (1, 2, 512)])
 def test_bulk_forward_back_to_back(bulk_forward, ratio, coff, head_dim):
     check_back_to_back(ratio, coff, head_dim)
@@ -539,13 +572,13 @@ def test_bulk_forward_back_to_back(bulk_forward, ratio, coff, head_dim):
 
 @pytest.mark.L1
 def test_bulk_forward_by_default_on_long_packs():
-    """With the planner's own thresholds a long coff-2 head_dim-512 pack takes the bulk-copy
-    forward on sm_90+, and a short one the per-thread forward; both match the reference."""
+    """With the planner's own thresholds a long ratio-2 coff-2 head_dim-512 pack takes the
+    bulk-copy forward on sm_90+, and a short one the per-thread forward; both match the reference."""
     from csa_frontend.compressor.kernels import dispatch, schedule
-    if schedule.bulk_forward_schedule(4, 2, 512, dispatch.arch_of(torch.device("cuda"))) is None:
+    if schedule.bulk_forward_schedule(2, 2, 512, dispatch.arch_of(torch.device("cuda"))) is None:
         pytest.skip("no bulk-copy forward on this GPU or with these knobs")
-    check_config(4, 2, 512, [40000, 5, 3001], pad_rows=2, seed=5)
-    assert ran_bulk_forward(4, 2, 512)
-    rows = (40000 + 3001) // 4 + 2
-    bulk = schedule.bulk_forward_schedule(4, 2, 512, dispatch.arch_of(torch.device("cuda")))
+    check_config(2, 2, 512, [20000, 5, 3001], pad_rows=2, seed=5)
+    assert ran_bulk_forward(2, 2, 512)
+    rows = (20000 + 3001) // 2 + 2
+    bulk = schedule.bulk_forward_schedule(2, 2, 512, dispatch.arch_of(torch.device("cuda")))
     assert schedule.bulk_forward_walk(rows, bulk) > 0 and schedule.bulk_forward_walk(2048, bulk) == 0

@@ -137,7 +137,7 @@ FIRST_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.glob
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (128, 2, 512), (16, 2, 256),
-                                               (4, 2, 512)])
+                                               (2, 2, 512)])
 def test_dependent_launches_wait_before_touching_memory(ratio, coff, head_dim, monkeypatch, tmp_path):
     """Every kernel is launched as a programmatic dependent on sm_90+, so it may start while the
     previous grid on the stream still runs: each must wait (``griddepcontrol.wait``) before its

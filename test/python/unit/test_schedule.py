@@ -289,9 +289,9 @@ def bulk_cache():
     sch.bulk_forward_schedule.cache_clear()
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (1, 2, 512), (2, 2, 512), (2, 2, 1024), (3, 2, 512)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(2, 2, 512), (2, 2, 1024), (2, 2, 768)])
 def test_bulk_forward_serves_coff2_wide_heads_on_sm90(bulk_cache, ratio, coff, head_dim):
-    """Where it was measured faster (coff 2, head_dim >= 512) on sm_90+, the bulk-copy schedule
+    """Where it was measured faster (ratio 2, coff 2, head_dim >= 512) on sm_90+, the bulk-copy schedule
     keeps the per-thread forward's vector width, puts every column slice of a row in one CTA and
     fits its stages (>= 3) in a CTA's share of shared memory."""
     base = sch.choose_schedule(ratio, coff, head_dim, "fwd")
@@ -308,10 +308,11 @@ def test_bulk_forward_serves_coff2_wide_heads_on_sm90(bulk_cache, ratio, coff, h
 
 @pytest.mark.parametrize("ratio,coff,head_dim,arch", [
     (4, 2, 512, "sm_80"), (4, 2, 512, None),  # no cp.async.bulk
-    (4, 1, 512, "sm_90a"), (4, 2, 128, "sm_90a"), (4, 2, 256, "sm_90a"),  # measured slower
+    (4, 1, 512, "sm_90a"), (2, 2, 128, "sm_90a"), (2, 2, 256, "sm_90a"),  # measured slower
+    (4, 2, 512, "sm_90a"), (1, 2, 512, "sm_90a"), (3, 2, 512, "sm_90a"),  # slower than the checked per-thread one
     (128, 2, 512, "sm_90a"),  # stream family
-    (4, 2, 4096, "sm_90a"),  # more column slices than consumer threads
-    (3, 2, 518, "sm_90a"),  # token rows of 2072 bytes: not 16-byte units
+    (2, 2, 4096, "sm_90a"),  # more column slices than consumer threads
+    (2, 2, 514, "sm_90a"),  # token rows of 2056 bytes: not 16-byte units
 ])
 def test_bulk_forward_declines(bulk_cache, ratio, coff, head_dim, arch):
     assert sch.bulk_forward_schedule(ratio, coff, head_dim, arch) is None
@@ -319,22 +320,23 @@ def test_bulk_forward_declines(bulk_cache, ratio, coff, head_dim, arch):
 
 def test_bulk_forward_knob_off(bulk_cache, monkeypatch):
     monkeypatch.setattr(sch, "WINDOW_FWD_BULK_STAGES", 0)
-    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a") is None
+    assert sch.bulk_forward_schedule(2, 2, 512, "sm_90a") is None
 
 
 def test_bulk_forward_stages_shrink_to_fit(bulk_cache, monkeypatch):
     """Less shared memory per CTA: fewer stages, then none below 3."""
-    full = sch.bulk_forward_schedule(4, 2, 512, "sm_90a")
-    block = sch.bulk_block_bytes(4, 2, 512)
-    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * 4 * block)
+    full = sch.bulk_forward_schedule(2, 2, 512, "sm_90a")
+    block = sch.bulk_block_bytes(2, 2, 512)
+    blocks_at_3 = 3 * full.row_lanes + 1
+    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * blocks_at_3 * block)
     sch.bulk_forward_schedule.cache_clear()
-    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a").stages == 3 < full.stages
-    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * 4 * block - 1)
+    assert sch.bulk_forward_schedule(2, 2, 512, "sm_90a").stages == 3 < full.stages
+    monkeypatch.setattr(sch, "WINDOW_FWD_BULK_SMEM", 2 * blocks_at_3 * block - 1)
     sch.bulk_forward_schedule.cache_clear()
-    assert sch.bulk_forward_schedule(4, 2, 512, "sm_90a") is None
+    assert sch.bulk_forward_schedule(2, 2, 512, "sm_90a") is None
 
 
-@pytest.mark.parametrize("ratio,head_dim", [(4, 512), (1, 512)])
+@pytest.mark.parametrize("ratio,head_dim", [(2, 512), (2, 1024)])
 def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
     """Launches of at least WINDOW_FWD_BULK_MIN_STAGES stages per CTA take the bulk forward; the
     stages cover every row and the CTAs never exceed the target."""
@@ -351,7 +353,7 @@ def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim,routes", [
-    (4, 2, 512, {"bulk", "window"}), (4, 2, 128, {"window"}), (128, 2, 128, {"stream"})])
+    (2, 2, 512, {"bulk", "window"}), (4, 2, 512, {"window"}), (128, 2, 128, {"stream"})])
 def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, routes):
     """``dispatch.forward_call``, the one place a forward launch picks its kernel and trailing
     argument: the bulk-copy kernel with its stages per CTA from the row count on where the

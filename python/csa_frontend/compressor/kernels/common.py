@@ -46,6 +46,12 @@ def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def exp2_ftz(a, *, loc=None, ip=None) -> Float32:
+    """``2**a`` by the MUFU (``ex2.approx.ftz``): results below 2**-126 flush to zero."""
+    return _ptx_f32("ex2.approx.ftz.f32", (a,), loc, ip)
+
+
+@dsl_user_op
 def exp2_half_squared(a_half, *, loc=None, ip=None) -> Float32:
     """``2**(2 * a_half)`` as ``ex2.approx.ftz(a_half)**2``: no flush to zero of the result.
 
@@ -55,7 +61,7 @@ def exp2_half_squared(a_half, *, loc=None, ip=None) -> Float32:
     flushed), so subnormal results are kept and 2**x for ``x < -252`` is 0 as in fp32 anyway.
     Error about twice the MUFU's (~4 ulp).
     """
-    h = _ptx_f32("ex2.approx.ftz.f32", (a_half,), loc, ip)
+    h = exp2_ftz(a_half, loc=loc, ip=ip)
     return mul_rn(h, h, loc=loc, ip=ip)
 
 

@@ -33,6 +33,10 @@ def _per_direction(defaults: dict, env: str) -> dict:
 #: 166.2 -> 163.4; 512 threads: 36.9 / 84.9 / 188.1). The backward keeps 256 (at 128, 3x8192
 #: r4 c2 d512 67.4 -> 73.3 us). Tuning knob, e.g. CSA_FRONTEND_WINDOW_THREADS="fwd=128,bwd=256".
 WINDOW_CTA_THREADS = _per_direction({"fwd": 128, "bwd": 256}, "CSA_FRONTEND_WINDOW_THREADS")
+#: Register-window forward: pool each column by the checked fast path (MUFU exponentials, an
+#: error bound, the exact path only where the bound cannot guarantee one bf16 step:
+#: ``fast_pool_bound``) instead of always exactly. Tuning knob, CSA_FRONTEND_WINDOW_FWD_CHECKED=0.
+WINDOW_FWD_CHECKED = os.environ.get("CSA_FRONTEND_WINDOW_FWD_CHECKED", "1") == "1"
 #: fp32 window values (positions x vec) one thread may hold per operand, per direction.
 #: ptxas for sm_90a: r4/c2 at vec 8 (64 values) takes 144 registers forward and ~240 backward,
 #: i.e. one 256-thread CTA per SM, which starves the memory system (H200, 2026-11-29: forward
@@ -172,6 +176,14 @@ WINDOW_FWD_BULK_MIN_STAGES = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MI
 #: against 22.3. Tuning knob, CSA_FRONTEND_WINDOW_FWD_BULK_MIN_HEAD_DIM.
 WINDOW_FWD_BULK_MIN_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MIN_HEAD_DIM", "512"))
 WINDOW_FWD_BULK_COFFS = (2,)
+#: Bulk-copy forward: the ratios it serves. With the checked fast pooling
+#: (``WINDOW_FWD_CHECKED``) the per-thread forward issues ~25% fewer instructions and beat it
+#: everywhere but ratio 2 (H200, session 18, two same-run rounds, fwd us per-thread / bulk,
+#: coff 2 d512): 3x8192 r4 28.8 / 31.7-32.0, 1x65536 r4 68.8-68.9 / 73.4-73.6, 3x8192 r3
+#: 29.0-29.3 / 31.7-31.9, 3x8192 r1 36.4-36.5 / 37.0-37.3, 1x16384 r4 d1024 37.2-37.4 / 37.2-37.5;
+#: 512x256 r4 144.9-145.2 / 142.4-142.8 (short segments); ratio 2: 3x8192 34.6-34.7 /
+#: 33.0-33.3, 1x65536 78.9 / 77.7-77.8.
+WINDOW_FWD_BULK_RATIOS = (2,)
 
 
 def bulk_block_bytes(ratio: int, coff: int, head_dim: int) -> int:
@@ -193,7 +205,7 @@ def arch_number(arch: "str | None") -> int:
 @lru_cache(maxsize=None)
 def bulk_forward_schedule(ratio: int, coff: int, head_dim: int, arch: "str | None") -> "Schedule | None":
     """The bulk-copy schedule of the register-window forward, or None where it does not apply:
-    not sm_90+ (``cp.async.bulk``), a stream-family window, a coff or head_dim it was slower on,
+    not sm_90+ (``cp.async.bulk``), a stream-family window, a ratio, coff or head_dim it was slower on,
     token rows that are not whole 16-byte units (bulk copies move 16-byte multiples from 16-byte
     aligned addresses), more column slices than consumer threads, or fewer than 3 stages fitting
     in ``WINDOW_FWD_BULK_SMEM``."""
@@ -201,8 +213,8 @@ def bulk_forward_schedule(ratio: int, coff: int, head_dim: int, arch: "str | Non
     if WINDOW_FWD_BULK_STAGES < 3 or arch_number(arch) < 90 or base.family != "window":
         return None
     n_vec = head_dim // base.vec
-    if (coff not in WINDOW_FWD_BULK_COFFS or head_dim < WINDOW_FWD_BULK_MIN_HEAD_DIM or (coff * head_dim) % 8
-            or n_vec > WINDOW_FWD_BULK_THREADS):
+    if (coff not in WINDOW_FWD_BULK_COFFS or ratio not in WINDOW_FWD_BULK_RATIOS
+            or head_dim < WINDOW_FWD_BULK_MIN_HEAD_DIM or (coff * head_dim) % 8 or n_vec > WINDOW_FWD_BULK_THREADS):
         return None
     rows = WINDOW_FWD_BULK_THREADS // n_vec
     for stages in range(WINDOW_FWD_BULK_STAGES, 2, -1):

@@ -187,6 +187,6 @@ class WindowForwardBulk(PoolingKernel):
                 # ring blocks start at row ``block * ratio``; the previous block is block ``pb``
                 load_window(sKV, sS, gA, rS, rX, b * ratio, has_prev, cv, ratio, coff, n_vec, vec,
                             ape_rows=ape_rows, prev0=(pb + 1) * ratio)
-                pool_and_store(rS, rX, gO, row, cv, vec, width)
+                pool_and_store(rS, rX, gO, row, cv, vec, width, ratio, coff, has_prev)
             if i > 0:
                 cute.arch.mbarrier_arrive(empty + (i - 1) % S)
