@@ -177,7 +177,7 @@ WINDOW_FWD_BULK_MIN_STAGES = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MI
 WINDOW_FWD_BULK_MIN_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_BULK_MIN_HEAD_DIM", "512"))
 WINDOW_FWD_BULK_COFFS = (2,)
 #: Bulk-copy forward: the ratios it serves. With the checked fast pooling
-#: (``WINDOW_FWD_CHECKED``) the per-thread forward issues ~25% fewer instructions and beat it
+#: (``WINDOW_FWD_CHECKED``) the per-thread forward issues ~29% fewer instructions and beat it
 #: everywhere but ratio 2 (H200, session 18, two same-run rounds, fwd us per-thread / bulk,
 #: coff 2 d512): 3x8192 r4 28.8 / 31.7-32.0, 1x65536 r4 68.8-68.9 / 73.4-73.6, 3x8192 r3
 #: 29.0-29.3 / 31.7-31.9, 3x8192 r1 36.4-36.5 / 37.0-37.3, 1x16384 r4 d1024 37.2-37.4 / 37.2-37.5;
