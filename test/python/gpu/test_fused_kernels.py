@@ -180,6 +180,28 @@ def test_cancelling_windows(ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("score_scale,kv_scale", [(40.0, 1.0), (1.0, 1e35), (1.0, 1e-38), (0.0, 1.0), (1e-30, 3.0)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (2, 1, 64)])
+def test_forward_extreme_magnitudes(ratio, coff, head_dim, score_scale, kv_scale):
+    """Score spreads past the fast pooling's limit (x40), outputs near bf16's range ends (kv x1e35,
+    x1e-38: products in the subnormal range), equal scores (x0: every weight 1/W) and spreads
+    below one ulp: every ``out`` element within one bf16 step of the reference, whichever path
+    pools it."""
+    g = torch.Generator(device="cuda").manual_seed(int(score_scale) + ratio)
+    lengths = [2000 + 3, 0, 2 * ratio, 333]
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim, generator=g)
+    score = (score.float() * score_scale).to(torch.bfloat16)
+    ape = ape * score_scale
+    kv = (kv.float() * kv_scale).to(torch.bfloat16)
+    total = int(comp[-1]) + 2
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
+    assert torch.isfinite(ref.float()).all()
+    assert_within_one_step(out, ref)
+
+
+@pytest.mark.L1
 def test_padding_gradients_ignored():
     ratio, coff, d = 4, 2, 128
     cu, comp = offsets([33, 17], ratio)
