@@ -451,6 +451,16 @@ def stage_window(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, own0: In
 
 
 @cute.jit
+def add_in_order(total: Float32, x: Float32, first: cutlass.Constexpr) -> Float32:
+    """``total + x`` for the next term of a left-to-right sum, ``x`` itself for its first term:
+    starting from ``0 + x`` would cost an add ptxas must keep (it turns -0 into +0)."""
+    r = x
+    if cutlass.const_expr(not first):
+        r = total + x
+    return r
+
+
+@cute.jit
 def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constexpr) -> Float32:
     """In place: ``rS[:, v]`` becomes ``exp(s - max)``; returns the left-to-right sum.
 
@@ -464,10 +474,7 @@ def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constex
     for k in cutlass.range_constexpr(width):
         e = cute.math.exp(rS[k, v] - m)
         rS[k, v] = e
-        if cutlass.const_expr(k == 0):
-            den = e
-        else:
-            den = den + e
+        den = add_in_order(den, e, k == 0)
     return den
 
 
@@ -483,10 +490,7 @@ def weights_and_products(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr,
         pd = mul_rn(p, mul_rn(g, rX[i, v]))
         rS[i, v] = p
         rX[i, v] = pd
-        if cutlass.const_expr(i == 0):
-            total = pd
-        else:
-            total = total + pd
+        total = add_in_order(total, pd, i == 0)
     return total
 
 

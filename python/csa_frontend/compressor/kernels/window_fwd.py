@@ -22,8 +22,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (PoolingKernel, block_start, div_exact, enter_grid, exp2_ftz, fma_rn, load_window,
-                     mul_rn, row_start, softmax_column)
+from .common import (PoolingKernel, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
+                     load_window, mul_rn, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
 from .schedule import WINDOW_FWD_CHECKED
 from .stream_chunks import LOG2E
@@ -103,11 +103,7 @@ def pool_exact(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, width: cu
     rcp = Float32(1.0) / den
     acc = Float32(0.0)
     for k in cutlass.range_constexpr(width):
-        term = mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp))
-        if cutlass.const_expr(k == 0):
-            acc = term
-        else:
-            acc = acc + term
+        acc = add_in_order(acc, mul_rn(rX[k, v], div_exact(rS[k, v], den, rcp)), k == 0)
     return acc
 
 
@@ -135,14 +131,9 @@ def pool_fast(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, width: cut
     mag = Float32(0.0)
     for k in cutlass.range_constexpr(width):
         e = exp2_ftz((rS[k, v] - m) * Float32(LOG2E))
-        if cutlass.const_expr(k == 0):
-            den = e
-            acc = mul_rn(rX[k, v], e)
-            mag = mul_rn(cute.math.absf(rX[k, v]), e)
-        else:
-            den = den + e
-            acc = fma_rn(rX[k, v], e, acc)
-            mag = fma_rn(cute.math.absf(rX[k, v]), e, mag)
+        den = add_in_order(den, e, k == 0)
+        acc = fma_rn(rX[k, v], e, acc)  # from 0: the first is a product rounded once
+        mag = fma_rn(cute.math.absf(rX[k, v]), e, mag)
     rcp = cute.arch.rcp_approx(den)
     o = mul_rn(acc, rcp)
     spread = m - lo
