@@ -111,7 +111,8 @@ def pool_exact(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, width: cu
 def pool_fast(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constexpr,
               ratio: cutlass.Constexpr, coff: cutlass.Constexpr, has_prev: cutlass.Boolean):
     """Column ``v`` as ``sum kv e / sum e`` with MUFU exponentials, and whether that result is
-    provably within one bf16 step of ``pool_exact``'s (``fast_pool_bound``). Leaves ``rS`` and
+    provably within one bf16 step of ``pool_exact``'s (``fast_pool_bound``; the test is
+    ``fast_result_is_safe``'s, which the CPU tests exercise on a model of both paths). Leaves ``rS`` and
     ``rX`` as they were. Invalid positions (coff 2 without a previous block: score -inf, kv 0)
     contribute exact zeros and stay out of the score spread."""
     c0, c1 = bound_coefficients(width)
