@@ -14,8 +14,6 @@ import torch
 from csa_frontend.compressor.kernels.fast_pool_bound import (FAST_EXP_ULPS, MAX_SPREAD, ULP, bound_coefficients,
                                                               fast_result_is_safe)
 
-LOG2E = 1.4426950408889634
-
 
 def windows(n, width, cancel, seed):
     """``n`` windows: scores with a random spread, kv ~ N(0, 1); with ``cancel`` the last kv

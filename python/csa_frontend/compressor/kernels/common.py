@@ -45,6 +45,11 @@ def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
     return _ptx_f32("fma.rn.f32", (a, b, c), loc, ip)
 
 
+#: log2(e): the MUFU exponentials take base-2 arguments
+LOG2E = 1.4426950408889634
+HALF_LOG2E = 0.5 * LOG2E  # exp2_half_squared takes half the exponent
+
+
 @dsl_user_op
 def exp2_ftz(a, *, loc=None, ip=None) -> Float32:
     """``2**a`` by the MUFU (``ex2.approx.ftz``): results below 2**-126 flush to zero."""

@@ -24,8 +24,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (BackwardKernel, block_start, can_stage, chunk_position, copy_async, div_exact,
-                     enter_grid, row_span, safe_max, stage_buffers, stage_slots, store_partial,
+from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
+                     div_exact, enter_grid, row_span, safe_max, stage_buffers, stage_slots, store_partial,
                      zero_fill_cta, zero_tokens)
 from .schedule import STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
@@ -202,12 +202,8 @@ class StreamBackward(BackwardKernel):
                             dp = product(rG[v], rX[i, v], fast)
                             rS[i, v] = e
                             rX[i, v] = dp
-                            if cutlass.const_expr(i == 0):  # not 0 + x: ptxas keeps that add (-0)
-                                d = e
-                                t = product(e, dp, fast)
-                            else:
-                                d = d + e
-                                t = t + product(e, dp, fast)
+                            d = add_in_order(d, e, i == 0)
+                            t = add_in_order(t, product(e, dp, fast), i == 0)
                         rD[v], rT[v] = warp_chunks_sum(d, t, ct)
                     if lead:
                         sDen[g_idx, col, None].store(rD.load())

@@ -11,10 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk, stage_invalid
-
-LOG2E = 1.4426950408889634
-HALF_LOG2E = 0.5 * LOG2E  # exp2_half_squared takes half the exponent
+from .common import (HALF_LOG2E, chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk,
+                     stage_invalid)
 
 
 @cute.jit

@@ -24,10 +24,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from .common import (PoolingKernel, block_start, can_stage, enter_grid, exp2_half_squared, fma_rn,
-                     row_span, safe_max, stage_buffers, stage_slots)
-from .stream_chunks import (HALF_LOG2E, ape_slice, gather_scores, invalid_position, stage_any_chunk,
-                            warp_chunks_max, warp_chunks_sum)
+from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_stage, enter_grid,
+                     exp2_half_squared, fma_rn, row_span, safe_max, stage_buffers, stage_slots)
+from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
+                            warp_chunks_sum)
 from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
 
 
@@ -62,12 +62,8 @@ def merge_groups(sM: cute.Tensor, sD: cute.Tensor, sA: cute.Tensor, par: Int32, 
     for g in cutlass.range_constexpr(groups):
         mg = sM[par, g, j]
         f = Float32(cutlass.select_(mg == top, Float32(1.0), exp_shifted(mg, top, top_scaled, fast)))
-        if cutlass.const_expr(g == 0):
-            d = sD[par, g, j] * f
-            a = sA[par, g, j] * f
-        else:
-            d = d + sD[par, g, j] * f
-            a = a + sA[par, g, j] * f
+        d = add_in_order(d, sD[par, g, j] * f, g == 0)
+        a = add_in_order(a, sA[par, g, j] * f, g == 0)
     return a / d
 
 

@@ -22,11 +22,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (PoolingKernel, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
+from .common import (LOG2E, PoolingKernel, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
                      load_window, mul_rn, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
 from .schedule import WINDOW_FWD_CHECKED
-from .stream_chunks import LOG2E
 
 
 class WindowForward(PoolingKernel):
