@@ -2,6 +2,7 @@
 inputs, and the fuzz test's seeded random cases."""
 from __future__ import annotations
 
+import os
 import random
 from typing import List, Sequence
 
@@ -68,6 +69,18 @@ COLD_CONFIGS = (COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE)
 
 #: seeds the GPU fuzz test draws
 FUZZ_CASES = 48
+
+
+def fuzz_seeds() -> range:
+    """The seeds the GPU fuzz test runs: ``range(FUZZ_CASES)``, or a deeper campaign on the
+    device from ``CSA_FRONTEND_FUZZ_SEEDS=first-last`` (inclusive), e.g. ``48-447``."""
+    spec = os.environ.get("CSA_FRONTEND_FUZZ_SEEDS", "")
+    if not spec:
+        return range(FUZZ_CASES)
+    first, sep, last = spec.partition("-")
+    if not (sep and first.isdigit() and last.isdigit() and int(first) <= int(last)):
+        raise ValueError(f"CSA_FRONTEND_FUZZ_SEEDS: expected 'first-last' (e.g. 48-447), got {spec!r}")
+    return range(int(first), int(last) + 1)
 #: kv elements (tokens x coff*head_dim) a short case may allocate; the fp64 oracle multiplies it
 SHORT_BUDGET = 6_000_000
 #: rows of a long case: enough for the long-launch schedules (bulk-copy forward, interleaved backward)
@@ -98,7 +111,12 @@ def draw_fuzz_case(seed: int):
     while len(lengths) > 1 and sum(lengths) * cols > SHORT_BUDGET:
         lengths.pop()
     lengths[0] = min(lengths[0], SHORT_BUDGET // cols)
-    return ratio, coff, head_dim, lengths, rng.choice([0, 0, 1, 3]), rng.choice([0, 1, 5])
+    pad_rows, extra_tokens = rng.choice([0, 0, 1, 3]), rng.choice([0, 1, 5])
+    if sum(lengths) + extra_tokens < ratio:
+        # padding rows pool tokens 0..ratio-1: the operator rejects them in a shorter pack
+        # (``plan.check_rows``), and the kernels are never launched on one
+        pad_rows = 0
+    return ratio, coff, head_dim, lengths, pad_rows, extra_tokens
 
 
 def _draw_long_fuzz_case(rng: random.Random):

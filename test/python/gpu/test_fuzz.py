@@ -6,7 +6,8 @@ nobody picked (``packs.draw_fuzz_case``): any ratio 1..256, coff 1 or 2, any hea
 past the last segment, and now and then a pack long enough for the schedules only long
 launches take (bulk-copy forward, interleaved backward rows, many rows per stream CTA). Every
 case runs on the default planner, under its family's contract per direction (``check_pack``).
-A case is a pure function of its seed, so a failure reruns alone with ``-k "seed17-"``.
+A case is a pure function of its seed, so a failure reruns alone with ``-k "seed17-"``;
+``CSA_FRONTEND_FUZZ_SEEDS=48-447`` runs a deeper campaign (``packs.fuzz_seeds``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from csa_frontend.compressor.kernels.schedule import choose_schedule
 
-from .packs import FUZZ_CASES, draw_fuzz_case
+from .packs import draw_fuzz_case, fuzz_seeds
 from .test_fused_kernels import check_pack
 
 pytestmark = [
@@ -30,7 +31,7 @@ def case_id(seed: int) -> str:
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("seed", range(FUZZ_CASES), ids=case_id)
+@pytest.mark.parametrize("seed", fuzz_seeds(), ids=case_id)
 def test_fuzz(seed):
     ratio, coff, head_dim, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
     check_pack(ratio, coff, head_dim, lengths, pad_rows=pad_rows, seed=seed, extra_tokens=extra_tokens,

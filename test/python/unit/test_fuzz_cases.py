@@ -2,7 +2,7 @@
 import pytest
 
 from csa_frontend.compressor.kernels.schedule import choose_schedule
-from gpu.packs import COLD_CONFIGS, FUZZ_CASES, LONG_ROWS, draw_fuzz_case
+from gpu.packs import COLD_CONFIGS, FUZZ_CASES, LONG_ROWS, draw_fuzz_case, fuzz_seeds
 
 
 @pytest.mark.L0
@@ -19,3 +19,25 @@ def test_draws_are_pure_and_cover_the_surface():
     assert any(sum(n // r for n in lengths) >= LONG_ROWS[0] for r, _, _, lengths, _, _ in cases)
     assert all(1 <= r <= 256 and c in (1, 2) and 1 <= d <= 4096 for r, c, d, *_ in cases)
     assert not any((r, c, d) in COLD_CONFIGS for r, c, d, *_ in cases)
+
+
+@pytest.mark.L0
+def test_fuzz_seed_range_from_env(monkeypatch):
+    monkeypatch.delenv("CSA_FRONTEND_FUZZ_SEEDS", raising=False)
+    assert fuzz_seeds() == range(FUZZ_CASES)
+    monkeypatch.setenv("CSA_FRONTEND_FUZZ_SEEDS", "48-447")
+    assert fuzz_seeds() == range(48, 448)
+    for bad in ("48", "x-9", "9-3", "-5"):
+        monkeypatch.setenv("CSA_FRONTEND_FUZZ_SEEDS", bad)
+        with pytest.raises(ValueError, match="CSA_FRONTEND_FUZZ_SEEDS"):
+            fuzz_seeds()
+
+
+@pytest.mark.L0
+def test_draws_are_packs_the_operator_accepts():
+    """The GPU fuzz calls the kernels directly, past the operator's checks, so the generator must
+    not draw what ``check_support`` rejects: padding rows in a pack of fewer than ``ratio`` tokens
+    (they pool tokens 0..ratio-1) read past kv. Seeds 289 and 283 once drew such packs."""
+    for seed in range(2000):
+        ratio, _, _, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
+        assert pad_rows == 0 or sum(lengths) + extra_tokens >= ratio, seed
