@@ -6,10 +6,14 @@ come back as exact zeros because the reference has exact zeros there.
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from csa_frontend.compressor import kernels
+from csa_frontend.compressor.kernels import schedule
+from csa_frontend.compressor.kernels.schedule import serial_forward_schedule, takes_serial_forward
 from csa_frontend.compressor.reference import reference_backward, reference_forward
 
 from .packs import COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE, cancel_windows, edge_lengths, offsets, random_inputs
@@ -68,7 +72,9 @@ def assert_contract(name, got, ref, oracle):
 
 
 def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, fwd_exact, bwd_exact):
-    """Both directions of one pack against the reference, each under its family's contract:
+    """Both directions of one pack against the reference, each under its family's contract (a
+    launch small enough for the serial forward must match the reference bit for bit, and then
+    runs again on its family's forward):
     ``fwd_exact`` (register window) asks every ``out`` element within one bf16 step,
     ``bwd_exact`` bit-identical ``grad_kv``/``grad_score``; otherwise the stream family's
     tolerance contract. ``extra_tokens`` past the last segment must come back as zero gradients."""
@@ -81,6 +87,13 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
     assert not torch.isnan(out).any(), "forward left elements unwritten"
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
     oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
+    if takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim)):
+        # a small launch: the serial forward ran, with the reference's bits; then the family's
+        # own forward on the same pack
+        assert torch.equal(out, ref), f"serial forward: {(out != ref).sum().item()} elements differ"
+        with mock.patch.object(schedule, "SERIAL_FWD_MAX_OUTPUTS", 0):
+            out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+        assert not torch.isnan(out).any(), "forward left elements unwritten"
     if fwd_exact:
         assert_within_one_step(out, ref)
         assert_oracle_parity("out", out, ref, oracle)
@@ -604,3 +617,65 @@ def test_bulk_forward_by_default_on_long_packs():
     rows = (20000 + 3001) // 2 + 2
     bulk = schedule.bulk_forward_schedule(2, 2, 512, dispatch.arch_of(torch.device("cuda")))
     assert schedule.bulk_forward_walk(rows, bulk) > 0 and schedule.bulk_forward_walk(2048, bulk) == 0
+
+
+# ---- serial forward (small launches, every family): the reference's bits ----
+
+def serial_pack(ratio, coff, head_dim, seed):
+    """A pack of segments of 0, ratio-1, ratio, ratio+1 and longer lengths, plus padding rows,
+    whose output has exactly ``SERIAL_FWD_MAX_OUTPUTS`` elements or as close below as rows allow:
+    the largest launch the serial forward takes."""
+    rows = schedule.SERIAL_FWD_MAX_OUTPUTS // head_dim
+    lengths = [ratio + 1, 0, ratio - 1, ratio, 3 * ratio + 5]
+    real = sum(n // ratio for n in lengths)
+    lengths.append((rows - real) // 2 * ratio + ratio // 2)
+    real = sum(n // ratio for n in lengths)
+    assert 0 < real <= rows
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim, generator=g)
+    return kv, score, ape, cu, comp, rows
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("head_dim", [63, 64, 192, 512])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("ratio", [1, 4, 16, 128, 200, 256])
+def test_serial_forward_has_reference_bits(ratio, coff, head_dim):
+    """Launches of up to SERIAL_FWD_MAX_OUTPUTS elements run the serial forward: ``out`` equal to
+    the reference bit for bit (padding rows included), at the largest such launch."""
+    kv, score, ape, cu, comp, rows = serial_pack(ratio, coff, head_dim, seed=ratio * 3 + coff)
+    assert takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=rows)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("case", ["cancelling", "spread x40", "kv x1e35", "kv x1e-38", "non-finite"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 64), (128, 2, 64), (33, 1, 65)])
+def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case):
+    """The serial forward on inputs where rounding and special values matter: cancelling sums,
+    exponentials down to the subnormal range and zero, products near bf16's range ends, and a
+    NaN score, an infinite score and an infinite kv (NaN where the reference has NaN, the
+    reference's bits elsewhere)."""
+    kv, score, ape, cu, comp, rows = serial_pack(ratio, coff, head_dim, seed=7)
+    if case == "cancelling":
+        cancel_windows(kv, score, ape, cu, comp, ratio, coff, head_dim)
+    elif case == "spread x40":
+        score, ape = (score.float() * 40).to(torch.bfloat16), ape * 40
+    elif case.startswith("kv x"):
+        kv = (kv.float() * float(case[4:])).to(torch.bfloat16)
+    else:
+        first = int(cu[-2]) + 1  # the last segment's first block (every block of it is consumed)
+        own = (coff - 1) * head_dim  # first column of the own half
+        score[first, 0] = float("nan")
+        score[first + ratio, own + 1] = float("inf")
+        kv[first + 2 * ratio, 2] = float("-inf")
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=rows)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan], ref[~nan]), f"{(out[~nan] != ref[~nan]).sum().item()} elements differ"
+    if case == "non-finite":
+        assert nan.any()

@@ -1,6 +1,7 @@
 """Every shipped kernel variant compiles for sm_90a, sm_100a and sm_80 on a CPU-only machine.
 
 The configurations are picked to reach each code path: register window with vec 8/4/2/1,
+the serial forward of small launches (every configuration),
 coff 1/2, several column tiles; stream family with the threads < columns combine, ragged
 last chunks and vec 4/2/1; the deterministic backward with its slab reduction and the atomic
 one. A kernel that stops compiling fails CI before anyone reaches a GPU.
@@ -13,7 +14,7 @@ pytest.importorskip("cutlass")
 
 from csa_frontend.compressor.kernels import dispatch  # noqa: E402
 from csa_frontend.compressor.kernels.schedule import (  # noqa: E402
-    bulk_forward_schedule, choose_schedule, few_rows_schedule)
+    bulk_forward_schedule, choose_schedule, few_rows_schedule, serial_forward_schedule)
 
 CONFIGS = [  # (ratio, coff, head_dim)
     (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
@@ -39,6 +40,9 @@ def compile_all(ratio, coff, head_dim, arch):
     bulk = bulk_forward_schedule(ratio, coff, head_dim, arch)
     assert (("fwd", arch, ratio, coff, head_dim, bulk) in dispatch.cache_keys()) == (bulk is not None)
     assert bulk is None or arch != "sm_80"
+    # and the serial forward of small launches, for every configuration
+    serial = serial_forward_schedule(ratio, coff, head_dim)
+    assert serial is not None and ("fwd", arch, ratio, coff, head_dim, serial) in dispatch.cache_keys()
 
 
 @pytest.mark.L0
@@ -73,7 +77,9 @@ def test_cache_is_keyed_on_static_configuration():
     before = set(dispatch.cache_keys())
     compile_all(5, 1, 40, "sm_90a")
     added = set(dispatch.cache_keys()) - before
-    assert {k[0] for k in added} == {"fwd", "bwd", "bwd_atomic"} and len(added) == 3
+    # the forward, its serial variant for small launches, and the two backwards
+    assert sorted(k[0] for k in added) == ["bwd", "bwd_atomic", "fwd", "fwd"]
+    assert {k[-1].family for k in added if k[0] == "fwd"} == {"window", "serial"}
     compile_all(5, 1, 40, "sm_90a")  # same configuration: nothing new
     assert set(dispatch.cache_keys()) - before == added
 

@@ -368,7 +368,7 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     seen = set()
     for rows in (1, 4000, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, bulk, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, bulk, None, *inputs, out)
         assert args[:6] == inputs + (out,)
         per_cta = sch.bulk_forward_walk(rows, bulk_sched)
         if per_cta:
@@ -381,3 +381,43 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
             assert (fn, args[6:]) == ("own", ())
             seen.add("window")
     assert seen == routes
+
+
+def test_serial_forward_takes_small_launches(monkeypatch):
+    """The serial forward serves every configuration and takes a launch exactly when its output
+    has at most SERIAL_FWD_MAX_OUTPUTS elements; 0 turns it off."""
+    limit = sch.SERIAL_FWD_MAX_OUTPUTS
+    for ratio, coff, head_dim in [(1, 1, 1), (4, 2, 128), (128, 2, 4096), (256, 2, 65), (33, 1, 66)]:
+        s = sch.serial_forward_schedule(ratio, coff, head_dim)
+        assert s.family == "serial" and s.vec == 1 and s.col_threads * s.col_tiles >= head_dim > (
+            s.col_tiles - 1) * s.col_threads
+        rows = limit // head_dim
+        assert sch.takes_serial_forward(rows, head_dim, s)
+        assert not sch.takes_serial_forward(rows + 1, head_dim, s)
+        assert not sch.takes_serial_forward(limit + 1, 1, s)
+        assert not sch.takes_serial_forward(rows, head_dim, None)
+    monkeypatch.setattr(sch, "SERIAL_FWD_MAX_OUTPUTS", 0)
+    assert sch.serial_forward_schedule(4, 2, 128) is None
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(2, 2, 512), (4, 2, 128), (128, 2, 128)])
+def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head_dim):
+    """``dispatch.forward_call`` runs the serial kernel (no trailing argument) for launches of at
+    most SERIAL_FWD_MAX_OUTPUTS elements and the family's route above."""
+    import torch
+
+    from csa_frontend.compressor.kernels import dispatch
+    sched = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    bulk_sched = sch.bulk_forward_schedule(ratio, coff, head_dim, "sm_90a")
+    bulk = None if bulk_sched is None else ("bulk", bulk_sched)
+    serial = ("serial", sch.serial_forward_schedule(ratio, coff, head_dim))
+    inputs = tuple(torch.empty(0, device="meta") for _ in range(5))
+    edge = sch.SERIAL_FWD_MAX_OUTPUTS // head_dim
+    for rows in (1, edge, edge + 1, 10 ** 6):
+        out = torch.empty(rows, head_dim, device="meta")
+        fn, args = dispatch.forward_call("own", sched, bulk, serial, *inputs, out)
+        with_serial_off = dispatch.forward_call("own", sched, bulk, None, *inputs, out)
+        if rows <= edge:
+            assert (fn, args) == ("serial", inputs + (out,))
+        else:
+            assert fn != "serial" and (fn, args) == with_serial_off

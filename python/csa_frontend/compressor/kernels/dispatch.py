@@ -31,7 +31,9 @@ from .schedule import (
     choose_schedule,
     few_rows_schedule,
     fwd_rows_per_cta,
+    serial_forward_schedule,
     takes_few_rows_schedule,
+    takes_serial_forward,
     zero_fill_ctas,
 )
 
@@ -137,6 +139,7 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .serial_fwd import SerialForward
     from .stream_fwd import StreamForward
     from .window_fwd import WindowForward
     from .window_fwd_bulk import WindowForwardBulk
@@ -149,9 +152,9 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         fn = cute.compile(WindowForwardBulk(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
                           stream, options=_options(arch))
         return fn, sched
-    if sched.family == "window":
-        fn = cute.compile(WindowForward(ratio, coff, head_dim, sched, pdl=pdl), *args, stream,
-                          options=_options(arch))
+    if sched.family in ("window", "serial"):
+        family = WindowForward if sched.family == "window" else SerialForward
+        fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
         return fn, sched
     fn = cute.compile(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1), stream,
                       options=_options(arch))
@@ -189,12 +192,23 @@ def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[st
 
 def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled forward, schedule) of the default schedule. The bulk-copy forward
-    (``bulk_forward_schedule``), where the planner has one for ``arch``, is compiled too, so no
-    row count ever compiles later (``compile_forward_bulk``)."""
+    (``bulk_forward_schedule``), where the planner has one for ``arch``, and the serial forward
+    of small launches (``serial_forward_schedule``) are compiled too, so no row count ever
+    compiles later (``compile_forward_bulk``, ``compile_forward_serial``)."""
     key, sched = _key("fwd", ratio, coff, head_dim, arch)
     fwd = _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
     compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     return fwd
+
+
+def compile_forward_serial(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    """(compiled serial forward, schedule), or None where it is off."""
+    sched = serial_forward_schedule(ratio, coff, head_dim)
+    if sched is None:
+        return None
+    key = ("fwd", arch, ratio, coff, head_dim, sched)
+    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
 
 
 def compile_forward_bulk(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
@@ -282,8 +296,10 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
         if direction == "fwd":
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-            # (forward, schedule, the bulk-copy schedule's (forward, schedule) or None)
-            direct = _direct_entries(fns) + (None if bulk is None else _direct_entries(bulk),)
+            serial = compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+            # (forward, schedule, then the bulk-copy and the serial schedules' (forward, schedule)
+            # or None)
+            direct = _direct_entries(fns) + tuple(None if f is None else _direct_entries(f) for f in (bulk, serial))
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
@@ -307,11 +323,14 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
-def forward_call(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-    """(compiled function, its arguments) of one forward launch: the bulk-copy kernel where the
-    row count gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own."""
+def forward_call(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    """(compiled function, its arguments) of one forward launch: the serial kernel for launches
+    of few output elements (``takes_serial_forward``), the bulk-copy kernel where the row count
+    gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
+    if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1]):
+        return serial[0], args
     per_cta = 0 if bulk is None else bulk_forward_walk(rows, bulk[1])
     if per_cta:
         return bulk[0], args + (per_cta,)
@@ -320,8 +339,8 @@ def forward_call(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, o
     return fn, args
 
 
-def _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-    call, args = forward_call(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+def _launch_forward(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    call, args = forward_call(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     call(*args)
 
 
@@ -382,7 +401,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
-    fn, sched, bulk = _kernels_for("fwd", device, ratio, coff, head_dim)
+    fn, sched, bulk, serial = _kernels_for("fwd", device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
@@ -391,7 +410,7 @@ def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int)
         if _current_device() != index:
             return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
                            head_dim=head_dim)
-        _launch_forward(fn, sched, bulk, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        _launch_forward(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     return launch
 
 

@@ -1,0 +1,113 @@
+"""Serial forward: small launches pool in the reference's order, so ``out`` has its bits.
+
+Why a third forward: the contract counts differing elements, at most max(1, 0.1%) of ``out``.
+The fast forwards round a few elements in ten thousand differently from the reference (the
+stream family re-associates sums over windows of up to 512 positions; the register-window
+family keeps checked MUFU exponentials), which a launch of one to a few thousand elements
+exceeds now and then (``schedule.SERIAL_FWD_MAX_OUTPUTS``). Such launches are latency-bound
+anyway, so this kernel spends instructions on taking the reference's exact steps: libdevice
+``expf`` of ``s - max``, the denominator added left to right, weights by IEEE division, pinned
+products, and their sum left to right, rounded once to bf16.
+
+CTA: one output row x ``col_threads`` (32) columns, one warp across them, times ``row_lanes``
+position lanes. The lanes do the parallel steps for positions ``lane, lane + lanes, ...``
+(every load of a step in flight at once) into a shared ``(position, column)`` tile; the two
+in-order sums are one thread per column walking down the tile. Padding rows pool segment 0's
+first block, as everywhere.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+from cutlass.memory import SmemAllocator
+
+from .common import PoolingKernel, block_start, chunk_position, enter_grid, mul_rn, row_start
+
+
+class SerialForward(PoolingKernel):
+    family = "serial"
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mOut: cute.Tensor,  # (total_comp, d) bf16
+        stream,
+    ):
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
+            grid=(mOut.shape[0], self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
+        enter_grid(self.pdl)
+        ratio, coff, width, head_dim = self.ratio, self.coff, self.width, self.head_dim
+        cols, lanes = self.sched.col_threads, self.sched.row_lanes
+        per_lane = -(-width // lanes)
+        tidx, _, _ = cute.arch.thread_idx()
+        row, by, _ = cute.arch.block_idx()
+        j = tidx % cols
+        lane = tidx // cols
+        col = by * cols + j
+        col_ok = col < head_dim
+        smem = SmemAllocator()
+        sT = smem.allocate_tensor(Float32, cute.make_layout((width, cols), stride=(cols, 1)), 16)
+        sMax = smem.allocate_tensor(Float32, cute.make_layout((lanes, cols), stride=(cols, 1)), 16)
+        sDen = smem.allocate_tensor(Float32, cute.make_layout((cols,)), 16)
+        t0, blk = row_start(mCu, mCuC, mCu.shape[0] - 1, row)
+        own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
+
+        # s = score + ape (-inf where the position is invalid, as the reference masks it)
+        m = -Float32.inf
+        for i in cutlass.range_constexpr(per_lane):
+            k = lane + i * lanes
+            if k < width:
+                tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
+                s = -Float32.inf
+                if ok and col_ok:
+                    s = mS[tok, colt].to(Float32) + mApe[arow, colt]
+                sT[k, j] = s
+                m = cute.arch.fmax(m, s)
+        sMax[lane, j] = m
+        cute.arch.sync_threads()
+        m = sMax[0, j]
+        for y in cutlass.range_constexpr(1, lanes):
+            m = cute.arch.fmax(m, sMax[y, j])
+        for i in cutlass.range_constexpr(per_lane):
+            k = lane + i * lanes
+            if k < width:
+                sT[k, j] = cute.math.exp(sT[k, j] - m)
+        cute.arch.sync_threads()
+        if lane == 0:
+            sDen[j] = column_sum(sT, j, width)
+        cute.arch.sync_threads()
+        den = sDen[j]
+        # the weighted products; invalid positions: kv 0, weight 0
+        for i in cutlass.range_constexpr(per_lane):
+            k = lane + i * lanes
+            if k < width:
+                tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
+                x = Float32(0.0)
+                if ok and col_ok:
+                    x = mKV[tok, colt].to(Float32)
+                sT[k, j] = mul_rn(x, sT[k, j] / den)
+        cute.arch.sync_threads()
+        if lane == 0 and col_ok:
+            mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
+
+
+@cute.jit
+def column_sum(sT: cute.Tensor, j, width: cutlass.Constexpr) -> Float32:
+    """``sT[0, j] + sT[1, j] + ...`` left to right: the reference's order."""
+    total = sT[0, j]
+    for k in cutlass.range(1, width, unroll=16):
+        total = total + sT[k, j]
+    return total
