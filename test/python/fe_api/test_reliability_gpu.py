@@ -11,7 +11,8 @@ import csa_frontend.compressor.api as api
 from csa_frontend import (CSACompressorForward, csa_compress, csa_compressor_backward_wrapper,
                           csa_compressor_forward_wrapper)
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import bulk_forward_schedule, choose_schedule, few_rows_schedule
+from csa_frontend.compressor.kernels.schedule import (bulk_forward_schedule, choose_schedule, few_rows_schedule,
+                                                     serial_forward_schedule)
 from csa_frontend.compressor.reference import build_windows, reference_backward, reference_forward
 from csa_frontend.compressor.plan import INT32_LIMIT
 from csa_testing import (BAD_OFFSETS, THREAD_CONFIGS, assert_contract, assert_like_reference,
@@ -71,9 +72,10 @@ def _keys_by_config():
     grouped = {}
     for key in dispatch.cache_keys():
         direction, key_arch, ratio, coff, head_dim, sched = key
-        if direction == "fwd":  # the bulk-copy forward compiles with it, where the planner has one
+        if direction == "fwd":  # the bulk-copy forward (where the planner has one) and the serial one compile with it
             planned = {choose_schedule(ratio, coff, head_dim, "fwd"),
-                       bulk_forward_schedule(ratio, coff, head_dim, arch)}
+                       bulk_forward_schedule(ratio, coff, head_dim, arch),
+                       serial_forward_schedule(ratio, coff, head_dim)}
         else:  # the backward's row-count bucket compiles with it
             planned = {choose_schedule(ratio, coff, head_dim, "bwd"), few_rows_schedule(ratio, coff, head_dim)}
         assert key_arch == arch and sched in planned, key
@@ -96,7 +98,7 @@ def test_concurrent_mixed_configurations_compile_each_once(fresh_kernel_cache, c
     arch = dispatch.arch_of(torch.device("cuda"))
     for (direction, *cfg), per_config in grouped.items():  # one key per direction and schedule
         if direction == "fwd":
-            extra = bulk_forward_schedule(*cfg, arch) is not None
+            extra = (bulk_forward_schedule(*cfg, arch) is not None) + (serial_forward_schedule(*cfg) is not None)
         else:
             extra = few_rows_schedule(*cfg) is not None
         assert len(per_config) == 1 + extra, (direction, cfg, per_config)

@@ -2,7 +2,8 @@
 # Runs sanitize_cases.py (forward and backward of r4 c2 d128 and r3 c1 d65 on ragged packs with
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
 # forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
-# the stream family, their backwards under both row-count schedules; r4 c2 d512 through the bulk-copy
+# the stream family, their backwards under both row-count schedules; every forward of these small
+# packs both as the serial forward and as its family's own; r4 c2 d512 through the bulk-copy
 # forward and the interleaved backward row walk; a side-stream call; a pack without rows) under
 # compute-sanitizer's memcheck, racecheck and initcheck, one after another, and prints one summary
 # line per tool. Exits non-zero if any tool reports an error, the script fails, or a run exceeds

@@ -19,8 +19,9 @@ from csa_frontend.compressor.reference import reference_backward, reference_forw
 from packs import edge_lengths, offsets, random_inputs
 
 # (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
-# the own-block window, and a ratio served by the stream family; main() adds the bulk-copy
-# forward and the interleaved backward row walk.
+# the own-block window, and a ratio served by the stream family (their packs are small enough
+# for the serial forward); main() adds the families' own forwards, the bulk-copy forward and the
+# interleaved backward row walk.
 CASES = [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
@@ -74,6 +75,11 @@ def main():
     for case in CASES:
         run_case(*case)
         print(f"r{case[0]} c{case[1]} d{case[2]}: ok", flush=True)
+    # these packs are small enough for the serial forward: the families' own forwards too
+    with knobs(SERIAL_FWD_MAX_OUTPUTS=0):
+        for case in CASES:
+            run_case(*case)
+            print(f"r{case[0]} c{case[1]} d{case[2]} (the family's forward): ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
     from csa_frontend.compressor.kernels import schedule
     with knobs(STREAM_BWD_FEW_ROWS=0):

@@ -48,8 +48,8 @@ def assert_oracle_parity(name, got, ref, oracle):
     assert e_got <= e_ref * (1 + 1e-6) + 1e-4, f"{name}: err {e_got} vs reference err {e_ref}"
 
 
-def assert_within_one_step(got, ref):
-    """Every element at most one bf16 step (the spacing at |ref|) away, and at most
+def assert_within_one_step(got, ref, count=True):
+    """Every element at most one bf16 step (the spacing at |ref|) away, and (``count``) at most
     max(1, 0.1%) of the elements differ at all."""
     ref = ref.float()
     _, exp = torch.frexp(ref)
@@ -57,16 +57,17 @@ def assert_within_one_step(got, ref):
     diff = (got.float() - ref).abs()
     assert torch.all(diff <= step), f"max diff {diff.max().item()}"
     n_diff = int((diff > 0).sum())
-    assert n_diff <= max(1, ref.numel() // 1000), f"{n_diff} of {ref.numel()} elements differ"
+    assert not count or n_diff <= max(1, ref.numel() // 1000), f"{n_diff} of {ref.numel()} elements differ"
 
 
-def assert_contract(name, got, ref, oracle):
-    """Differing elements <= max(1, 0.1%), max abs diff <= 1.6e-2, and oracle parity."""
+def assert_contract(name, got, ref, oracle, count=True):
+    """Differing elements (``count``) <= max(1, 0.1%), max abs diff <= 1.6e-2, and oracle parity."""
     diff = (got.double() - ref.double()).abs()
     n_diff = int((diff > 0).sum())
     worst = diff.max().item() if diff.numel() else 0.0
     where = (diff > 0).nonzero()[:4].tolist()
-    assert n_diff <= max(1, ref.numel() // 1000), f"{name}: {n_diff} of {ref.numel()} differ (max {worst} at {where})"
+    assert not count or n_diff <= max(1, ref.numel() // 1000), (
+        f"{name}: {n_diff} of {ref.numel()} differ (max {worst} at {where})")
     assert worst <= 1.6e-2, f"{name}: max diff {worst} at {where}"
     assert_oracle_parity(name, got, ref, oracle)
 
@@ -74,7 +75,7 @@ def assert_contract(name, got, ref, oracle):
 def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, fwd_exact, bwd_exact):
     """Both directions of one pack against the reference, each under its family's contract (a
     launch small enough for the serial forward must match the reference bit for bit, and then
-    runs again on its family's forward):
+    runs again on its family's forward, checked but for the count of differing elements):
     ``fwd_exact`` (register window) asks every ``out`` element within one bf16 step,
     ``bwd_exact`` bit-identical ``grad_kv``/``grad_score``; otherwise the stream family's
     tolerance contract. ``extra_tokens`` past the last segment must come back as zero gradients."""
@@ -87,18 +88,20 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
     assert not torch.isnan(out).any(), "forward left elements unwritten"
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
     oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
-    if takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim)):
+    serial = takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    if serial:
         # a small launch: the serial forward ran, with the reference's bits; then the family's
-        # own forward on the same pack
+        # own forward on the same pack, under its contract but for the count of differing
+        # elements, which at this size only the serial forward keeps (its reason to exist)
         assert torch.equal(out, ref), f"serial forward: {(out != ref).sum().item()} elements differ"
         with mock.patch.object(schedule, "SERIAL_FWD_MAX_OUTPUTS", 0):
             out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
         assert not torch.isnan(out).any(), "forward left elements unwritten"
     if fwd_exact:
-        assert_within_one_step(out, ref)
+        assert_within_one_step(out, ref, count=not serial)
         assert_oracle_parity("out", out, ref, oracle)
     else:
-        assert_contract("out", out, ref, oracle)
+        assert_contract("out", out, ref, oracle, count=not serial)
 
     grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
     gkv, gs, gape = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
