@@ -629,9 +629,12 @@ def serial_pack(ratio, coff, head_dim, seed):
     whose output has exactly ``SERIAL_FWD_MAX_OUTPUTS`` elements or as close below as rows allow:
     the largest launch the serial forward takes."""
     rows = schedule.SERIAL_FWD_MAX_OUTPUTS // head_dim
-    lengths = [ratio + 1, 0, ratio - 1, ratio, 3 * ratio + 5]
+    lengths = []
+    for n in (ratio + 1, 0, ratio - 1, ratio, 3 * ratio + 5):
+        if sum(m // ratio for m in lengths) + n // ratio < rows:
+            lengths.append(n)
     real = sum(n // ratio for n in lengths)
-    lengths.append((rows - real) // 2 * ratio + ratio // 2)
+    lengths.append((rows - real) // 2 * ratio + ratio // 2)  # the rest: half rows, half padding
     real = sum(n // ratio for n in lengths)
     assert 0 < real <= rows
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -654,6 +657,11 @@ def test_serial_forward_has_reference_bits(ratio, coff, head_dim):
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"
 
 
+def lengths_blocks(cu, ratio):
+    """Blocks of the pack's last segment."""
+    return (int(cu[-1]) - int(cu[-2])) // ratio
+
+
 @pytest.mark.L1
 @pytest.mark.parametrize("case", ["cancelling", "spread x40", "kv x1e35", "kv x1e-38", "non-finite"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 64), (128, 2, 64), (33, 1, 65)])
@@ -670,6 +678,7 @@ def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case):
     elif case.startswith("kv x"):
         kv = (kv.float() * float(case[4:])).to(torch.bfloat16)
     else:
+        assert lengths_blocks(cu, ratio) >= 4, "the last segment needs 4 blocks for the special values"
         first = int(cu[-2]) + 1  # the last segment's first block (every block of it is consumed)
         own = (coff - 1) * head_dim  # first column of the own half
         score[first, 0] = float("nan")

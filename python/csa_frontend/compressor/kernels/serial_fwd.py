@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import PoolingKernel, block_start, chunk_position, enter_grid, mul_rn, row_start
+from .common import PoolingKernel, add_in_order, block_start, chunk_position, enter_grid, mul_rn, row_start
 
 
 class SerialForward(PoolingKernel):
@@ -65,15 +65,25 @@ class SerialForward(PoolingKernel):
         t0, blk = row_start(mCu, mCuC, mCu.shape[0] - 1, row)
         own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
 
-        # s = score + ape (-inf where the position is invalid, as the reference masks it)
-        m = -Float32.inf
+        # s = score + ape (-inf where the position is invalid, as the reference masks it). Every
+        # load of a step is issued before any is used (a use inside its branch would make each
+        # position wait for the one before it).
+        rScore = cute.make_rmem_tensor((per_lane,), BFloat16)
+        rApe = cute.make_rmem_tensor((per_lane,), Float32)
+        rScore.fill(-BFloat16.inf)
+        rApe.fill(0.0)
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
             if k < width:
                 tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
-                s = -Float32.inf
                 if ok and col_ok:
-                    s = mS[tok, colt].to(Float32) + mApe[arow, colt]
+                    rScore[i] = mS[tok, colt]
+                    rApe[i] = mApe[arow, colt]
+        m = -Float32.inf
+        for i in cutlass.range_constexpr(per_lane):
+            k = lane + i * lanes
+            if k < width:
+                s = rScore[i].to(Float32) + rApe[i]
                 sT[k, j] = s
                 m = cute.arch.fmax(m, s)
         sMax[lane, j] = m
@@ -91,23 +101,37 @@ class SerialForward(PoolingKernel):
         cute.arch.sync_threads()
         den = sDen[j]
         # the weighted products; invalid positions: kv 0, weight 0
+        rKV = cute.make_rmem_tensor((per_lane,), BFloat16)
+        rKV.fill(0.0)
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
             if k < width:
                 tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
-                x = Float32(0.0)
                 if ok and col_ok:
-                    x = mKV[tok, colt].to(Float32)
-                sT[k, j] = mul_rn(x, sT[k, j] / den)
+                    rKV[i] = mKV[tok, colt]
+        for i in cutlass.range_constexpr(per_lane):
+            k = lane + i * lanes
+            if k < width:
+                sT[k, j] = mul_rn(rKV[i].to(Float32), sT[k, j] / den)
         cute.arch.sync_threads()
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
 
 
+#: Positions a column sum loads before adding them: one shared-memory latency per block instead
+#: of one per position (the loop's adds wait on each other anyway).
+SUM_BLOCK = 16
+
+
 @cute.jit
 def column_sum(sT: cute.Tensor, j, width: cutlass.Constexpr) -> Float32:
     """``sT[0, j] + sT[1, j] + ...`` left to right: the reference's order."""
-    total = sT[0, j]
-    for k in cutlass.range(1, width, unroll=16):
-        total = total + sT[k, j]
+    block = cute.make_rmem_tensor((SUM_BLOCK,), Float32)
+    total = Float32(0.0)
+    for b in cutlass.range_constexpr(-(-width // SUM_BLOCK)):
+        n = min(SUM_BLOCK, width - b * SUM_BLOCK)
+        for i in cutlass.range_constexpr(n):
+            block[i] = sT[b * SUM_BLOCK + i, j]
+        for i in cutlass.range_constexpr(n):
+            total = add_in_order(total, block[i], b == 0 and i == 0)
     return total
