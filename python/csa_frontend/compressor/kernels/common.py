@@ -179,6 +179,33 @@ class PoolingKernel:
         self.warp_rows = sched.family == "window" and sched.col_threads % 32 == 0
 
 
+class RowsForward(PoolingKernel):
+    """Forwards launched as groups of ``cta_rows()`` output rows x the schedule's column tiles,
+    with the tensors as their only arguments (the register-window and the serial forward)."""
+
+    def cta_rows(self) -> int:
+        raise NotImplementedError
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mOut: cute.Tensor,  # (total_comp, d) bf16
+        stream,
+    ):
+        rows = self.cta_rows()
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
+            grid=((mOut.shape[0] + rows - 1) // rows, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+
 @cute.jit
 def release_dependents(pdl: cutlass.Constexpr):
     """Let the next grid launch (a kernel that chose ``enter_grid(pdl, release=False)``)."""

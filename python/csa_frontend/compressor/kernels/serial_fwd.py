@@ -22,34 +22,19 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import PoolingKernel, add_in_order, block_start, chunk_position, enter_grid, mul_rn, row_start
+from .common import RowsForward, add_in_order, block_start, chunk_position, enter_grid, mul_rn, row_start
 
 
-class SerialForward(PoolingKernel):
+class SerialForward(RowsForward):
     family = "serial"
 
-    @cute.jit
-    def __call__(
-        self,
-        mKV: cute.Tensor,  # (T, coff*d) bf16
-        mS: cute.Tensor,  # (T, coff*d) bf16
-        mApe: cute.Tensor,  # (ratio, coff*d) fp32
-        mCu: cute.Tensor,  # (B+1,) int32
-        mCuC: cute.Tensor,  # (B+1,) int32
-        mOut: cute.Tensor,  # (total_comp, d) bf16
-        stream,
-    ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
-            grid=(mOut.shape[0], self.sched.col_tiles, 1),
-            block=(self.sched.threads, 1, 1),
-            stream=stream,
-            use_pdl=self.pdl,
-        )
+    def cta_rows(self) -> int:
+        return 1
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
         enter_grid(self.pdl)
-        ratio, coff, width, head_dim = self.ratio, self.coff, self.width, self.head_dim
+        ratio, width = self.ratio, self.width
         cols, lanes = self.sched.col_threads, self.sched.row_lanes
         per_lane = -(-width // lanes)
         tidx, _, _ = cute.arch.thread_idx()
@@ -57,7 +42,7 @@ class SerialForward(PoolingKernel):
         j = tidx % cols
         lane = tidx // cols
         col = by * cols + j
-        col_ok = col < head_dim
+        col_ok = col < self.head_dim
         smem = SmemAllocator()
         sT = smem.allocate_tensor(Float32, cute.make_layout((width, cols), stride=(cols, 1)), 16)
         sMax = smem.allocate_tensor(Float32, cute.make_layout((lanes, cols), stride=(cols, 1)), 16)
@@ -72,13 +57,7 @@ class SerialForward(PoolingKernel):
         rApe = cute.make_rmem_tensor((per_lane,), Float32)
         rScore.fill(-BFloat16.inf)
         rApe.fill(0.0)
-        for i in cutlass.range_constexpr(per_lane):
-            k = lane + i * lanes
-            if k < width:
-                tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
-                if ok and col_ok:
-                    rScore[i] = mS[tok, colt]
-                    rApe[i] = mApe[arow, colt]
+        self.load_positions(mS, rScore, mApe, rApe, own0, has_prev, col, col_ok, lane)
         m = -Float32.inf
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
@@ -103,12 +82,7 @@ class SerialForward(PoolingKernel):
         # the weighted products; invalid positions: kv 0, weight 0
         rKV = cute.make_rmem_tensor((per_lane,), BFloat16)
         rKV.fill(0.0)
-        for i in cutlass.range_constexpr(per_lane):
-            k = lane + i * lanes
-            if k < width:
-                tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, head_dim)
-                if ok and col_ok:
-                    rKV[i] = mKV[tok, colt]
+        self.load_positions(mKV, rKV, None, None, own0, has_prev, col, col_ok, lane)
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
             if k < width:
@@ -116,6 +90,21 @@ class SerialForward(PoolingKernel):
         cute.arch.sync_threads()
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
+
+
+    @cute.jit
+    def load_positions(self, mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane):
+        """This lane's valid window positions of column ``col``: ``mT`` into ``rT`` and, given
+        ``mApe``, the ape row into ``rApe``; invalid positions keep what the caller filled in."""
+        ratio, coff, width, lanes = self.ratio, self.coff, self.width, self.sched.row_lanes
+        for i in cutlass.range_constexpr(-(-width // lanes)):
+            k = lane + i * lanes
+            if k < width:
+                tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, self.head_dim)
+                if ok and col_ok:
+                    rT[i] = mT[tok, colt]
+                    if cutlass.const_expr(mApe is not None):
+                        rApe[i] = mApe[arow, colt]
 
 
 #: Positions a column sum loads before adding them: one shared-memory latency per block instead

@@ -22,34 +22,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (LOG2E, PoolingKernel, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
+from .common import (LOG2E, RowsForward, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
                      load_window, mul_rn, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
 from .schedule import WINDOW_FWD_CHECKED
 
 
-class WindowForward(PoolingKernel):
+class WindowForward(RowsForward):
     family = "window"
 
-    @cute.jit
-    def __call__(
-        self,
-        mKV: cute.Tensor,  # (T, coff*d) bf16
-        mS: cute.Tensor,  # (T, coff*d) bf16
-        mApe: cute.Tensor,  # (ratio, coff*d) fp32
-        mCu: cute.Tensor,  # (B+1,) int32
-        mCuC: cute.Tensor,  # (B+1,) int32
-        mOut: cute.Tensor,  # (total_comp, d) bf16
-        stream,
-    ):
-        n_rows = mOut.shape[0]
-        lanes = self.sched.row_lanes
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
-            grid=((n_rows + lanes - 1) // lanes, self.sched.col_tiles, 1),
-            block=(self.sched.threads, 1, 1),
-            stream=stream,
-            use_pdl=self.pdl,
-        )
+    def cta_rows(self) -> int:
+        return self.sched.row_lanes
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
