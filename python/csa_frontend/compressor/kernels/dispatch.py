@@ -4,8 +4,8 @@ Kernels are compiled through TVM-FFI against symbolic token / row / segment coun
 compiled function per static configuration serves every pack (the stream backward has two,
 one per row-count bucket; every forward has the serial one for small launches, and the coff-2
 wide-head forward on sm_90+ the bulk-copy one too; each set compiled together); calls then
-pass torch tensors
-straight through (no per-call DLPack wrapping) on the environment (current torch) stream.
+pass torch tensors straight through (no per-call DLPack wrapping) on the environment (current
+torch) stream.
 The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
 concurrent first calls compile once.
 """
