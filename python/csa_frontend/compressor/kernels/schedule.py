@@ -423,14 +423,15 @@ STREAM_FWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_THREADS"
 #: Forward launches of at most this many output elements (rows x head_dim) run the serial forward
 #: (``serial_fwd``), which pools in the reference's order: ``out`` bit-identical. The contract
 #: lets max(1, 0.1%) of ``out`` differ; the other forwards' fast pooling rounds 0.35-3.1e-4 of the
-#: elements differently (H200, 2M-element packs, session 19: the register-window forward's checked
-#: pooling 0.35e-4 at r16 c1 d63; the stream family 1.0e-4 at r16 c1 d64 up to 3.1e-4 at r256 c2,
-#: mostly from re-associated sums: 0.64-2.8e-4 with exact exp), so launches of one to a few thousand elements exceeded their
-#: allowance of 1-4 several percent of the time (fuzz seeds: 2 of 1890 at r190 c2 d63, 4 of 3052 at r39 c1 d218). Above 4096 the
-#: chance is at most ~1% (r256 c2, shrinking fast with size) and the serial forward would cost
-#: time: it is latency-bound, 12.1 us on 1x8192 r128 c2 d128 (8192 elements) where the stream
-#: forward takes 5.2 (H200, same session), so the SPEC's smallest rows stay on the fast forwards.
-#: 0 turns the serial forward off. Tuning knob, CSA_FRONTEND_SERIAL_FWD_OUTPUTS.
+#: elements differently (H200, 2M-element packs, session 19: the register-window forward's
+#: checked pooling 0.35e-4 at r16 c1 d63; the stream family 1.0e-4 at r16 c1 d64 up to 3.1e-4 at
+#: r256 c2, mostly from re-associated sums: 0.64-2.8e-4 with exact exp), so launches of one to a
+#: few thousand elements exceeded their allowance of 1-4 several percent of the time (fuzz seeds:
+#: 2 of 1890 at r190 c2 d63, 4 of 3052 at r39 c1 d218). Above 4096 the chance is at most ~1%
+#: (r256 c2, shrinking fast with size) and the serial forward would cost time: it is
+#: latency-bound, 12.1 us on 1x8192 r128 c2 d128 (8192 elements) where the stream forward takes
+#: 5.2 (H200, same session), so the SPEC's smallest rows stay on the fast forwards. 0 turns the
+#: serial forward off. Tuning knob, CSA_FRONTEND_SERIAL_FWD_OUTPUTS.
 SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "4096"))
 #: Serial forward CTA: one warp across 32 columns (a column's in-order sums run in one thread)
 #: times position lanes for the parallel steps (each lane holds ``ceil(window / lanes)``
