@@ -91,7 +91,6 @@ class SerialForward(RowsForward):
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
 
-
     @cute.jit
     def load_positions(self, mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane):
         """This lane's valid window positions of column ``col``: ``mT`` into ``rT`` and, given
