@@ -9,11 +9,11 @@ anyway, so this kernel spends instructions on taking the reference's exact steps
 ``expf`` of ``s - max``, the denominator added left to right, weights by IEEE division, pinned
 products, and their sum left to right, rounded once to bf16.
 
-CTA: one output row x ``col_threads`` (32) columns, one warp across them, times ``row_lanes``
-position lanes. The lanes do the parallel steps for positions ``lane, lane + lanes, ...``
-(every load of a step in flight at once) into a shared ``(position, column)`` tile; the two
-in-order sums are one thread per column walking down the tile. Padding rows pool segment 0's
-first block, as everywhere.
+CTA: one output row x ``col_threads`` (16) columns times ``row_lanes`` (32) position lanes
+(``schedule.SERIAL_FWD_COLS``). The lanes do the parallel steps for positions ``lane,
+lane + lanes, ...`` (every load of a step in flight at once) into a shared ``(position,
+column)`` tile; the two in-order sums are one thread per column walking down the tile.
+Padding rows pool segment 0's first block, as everywhere.
 """
 from __future__ import annotations
 
