@@ -186,9 +186,12 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     return main, reduce, sched
 
 
-def _key(direction: str, ratio: int, coff: int, head_dim: int, arch: Optional[str]):
-    sched = choose_schedule(ratio, coff, head_dim, direction)
-    return (direction, arch, ratio, coff, head_dim, sched), sched
+def _compile_forward_schedule(ratio: int, coff: int, head_dim: int, arch: Optional[str], sched):
+    """(compiled forward, schedule) of one forward schedule, or None where the planner gave none."""
+    if sched is None:
+        return None
+    key = ("fwd", arch, ratio, coff, head_dim, sched)
+    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
 
 
 def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
@@ -196,8 +199,7 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
     (``bulk_forward_schedule``), where the planner has one for ``arch``, and the serial forward
     of small launches (``serial_forward_schedule``) are compiled too, so no row count ever
     compiles later (``compile_forward_bulk``, ``compile_forward_serial``)."""
-    key, sched = _key("fwd", ratio, coff, head_dim, arch)
-    fwd = _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
+    fwd = _compile_forward_schedule(ratio, coff, head_dim, arch, choose_schedule(ratio, coff, head_dim, "fwd"))
     compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     return fwd
@@ -205,20 +207,12 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 def compile_forward_serial(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled serial forward, schedule), or None where it is off."""
-    sched = serial_forward_schedule(ratio, coff, head_dim)
-    if sched is None:
-        return None
-    key = ("fwd", arch, ratio, coff, head_dim, sched)
-    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
+    return _compile_forward_schedule(ratio, coff, head_dim, arch, serial_forward_schedule(ratio, coff, head_dim))
 
 
 def compile_forward_bulk(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled bulk-copy forward, schedule), or None where the planner has none for ``arch``."""
-    sched = bulk_forward_schedule(ratio, coff, head_dim, arch)
-    if sched is None:
-        return None
-    key = ("fwd", arch, ratio, coff, head_dim, sched)
-    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch))
+    return _compile_forward_schedule(ratio, coff, head_dim, arch, bulk_forward_schedule(ratio, coff, head_dim, arch))
 
 
 def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
