@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs sanitize_cases.py (forward and backward of r4 c2 d128 and r3 c1 d65 on ragged packs with
+# Runs sanitize_cases.py (forward and backward of r4 c2 d128, r3 c1 d65 and r4 c2 d2 on ragged packs with
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
 # forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
 # the stream family, their backwards under both row-count schedules; every forward of these small

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from csa_frontend.compressor import kernels
-from csa_frontend.compressor.kernels import schedule
-from csa_frontend.compressor.kernels.schedule import serial_forward_schedule, takes_serial_forward
+from csa_frontend.compressor.kernels import schedule, window_bwd
+from csa_frontend.compressor.kernels.schedule import choose_schedule, serial_forward_schedule, takes_serial_forward
 from csa_frontend.compressor.reference import reference_backward, reference_forward
 
 from .packs import COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE, cancel_windows, edge_lengths, offsets, random_inputs
@@ -151,6 +151,15 @@ def test_matrix(ratio, coff, head_dim):
 def test_larger_packs(ratio, coff, head_dim):
     lengths = [1000, 37, 4096 + 3, 0, 2, 777]
     check_config(ratio, coff, head_dim, lengths, pad_rows=5, seed=7)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 2), (1, 1, 3), (2, 2, 8), (8, 1, 6)])
+def test_tiny_head_dims(ratio, coff, head_dim):
+    """Head dims under 16: the backward CTA holds more row lanes than the slab's unrolled lane
+    sum covers, so it sums them in a runtime loop (same order, same bits)."""
+    assert choose_schedule(ratio, coff, head_dim, "bwd").row_lanes > window_bwd.UNROLLED_REDUCE_LANES
+    check_config(ratio, coff, head_dim, [1000, 37, 4096 + 3, 0, 2, 777], pad_rows=4, seed=head_dim)
 
 
 @pytest.mark.L1

@@ -225,10 +225,20 @@ class WindowBackward(BackwardKernel):
                 c = idx * self.sched.threads + tidx
                 if c < tile_cols and col0 + c < n_vec * vec:
                     acc = sRed[0, c]
-                    for y in cutlass.range_constexpr(1, lanes):
-                        acc = acc + sRed[y, c]
+                    if cutlass.const_expr(lanes <= UNROLLED_REDUCE_LANES):
+                        for y in cutlass.range_constexpr(1, lanes):
+                            acc = acc + sRed[y, c]
+                    else:
+                        # head_dim < 16: up to 256 row lanes; a traced loop of that length (times
+                        # the window) took seconds to compile. Same lane order, same bits.
+                        for y in cutlass.range(1, lanes, unroll=8):
+                            acc = acc + sRed[y, c]
                     store_partial(mSlab, bx, arow, half * n_vec * vec + col0 + c, acc, self.atomic)
             cute.arch.sync_threads()
+
+
+#: Row lanes up to which the slab's lane sum is unrolled at trace time (every head_dim >= 16).
+UNROLLED_REDUCE_LANES = 64
 
 
 def tidx_chunks(n: int, threads: int) -> int:
