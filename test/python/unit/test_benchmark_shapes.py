@@ -33,3 +33,16 @@ def test_report_shows_the_same_bytes_copy_only_when_measured():
                                                bwd_copy_pct_floor=80.0)]}).splitlines()[-1]
     assert "| - | 5.4/13.4 |" in without
     assert "| 2.5/5.0 (80%/80%) | 5.4/13.4 |" in with_copy
+
+
+@pytest.mark.L0
+def test_tail_probe_skips_only_the_reductions():
+    """probe_ape_tail.py times the backward with both schedules' slab reductions swapped for
+    no-ops: the main kernels and schedules must be the dispatcher's own."""
+    import probe_ape_tail as probe
+
+    main, sched, few = object(), object(), (object(), object(), object())
+    got = probe.without_reduction(main, object(), sched, few)
+    assert got[0] is main and got[2] is sched and got[1] is probe.no_op
+    assert got[3][0] is few[0] and got[3][2] is few[2] and got[3][1] is probe.no_op
+    assert probe.without_reduction(main, object(), sched, None)[3] is None

@@ -1,0 +1,77 @@
+"""What the backward's deterministic grad_ape costs per call: the full backward, its main kernel
+alone (the slab reduction swapped for a no-op, so grad_ape is left unwritten: a diagnostic, not
+a result), the atomic variant, the slab reduction alone on slabs of the launch's size, and the
+cost of one more small kernel per call. CUDA-graph replay, timed as bench_csa_compressor.py
+times the fused kernels.
+
+    python benchmark/csa/probe_ape_tail.py --shapes 1x8192x128x2x128,1x65536x64x1x512
+    CSA_FRONTEND_PDL=0 python benchmark/csa/probe_ape_tail.py ...   # without programmatic launch
+"""
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+
+from bench_csa_compressor import L2_BYTES, graph_time_us, make_problem, parse_shape, shape_name, traffic_bytes
+from csa_frontend.compressor import kernels
+from csa_frontend.compressor.kernels import dispatch
+from csa_frontend.compressor.kernels.schedule import (ape_split, bwd_row_groups, bwd_rows_per_thread,
+                                                      takes_few_rows_schedule)
+
+
+def no_op(*_):
+    return None
+
+
+def without_reduction(main, _reduce, sched, few):
+    """The entries of ``dispatch._kernels_for`` with both schedules' slab reductions skipped."""
+    return main, no_op, sched, None if few is None else (few[0], no_op, few[2])
+
+
+def probe(shape):
+    seg, seqlen, ratio, coff, d = shape
+    n_tok = seg * seqlen
+    copies = max(1, min(8, -(-3 * L2_BYTES // traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd"))))
+    cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
+    kw = dict(ratio=ratio, coff=coff, head_dim=d)
+
+    def backward(st, deterministic=True):
+        kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"], st["gs"],
+                         st["gape"], deterministic=deterministic, **kw)
+
+    full = graph_time_us(backward, sets)
+    atomic = graph_time_us(lambda st: backward(st, False), sets)
+    entries = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, d)
+    with mock.patch.object(dispatch, "_kernels_for", lambda *_: without_reduction(*entries)):
+        main_only = graph_time_us(backward, sets)
+    _, reduce, sched, few = entries
+    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2]):
+        _, reduce, sched = few
+    groups = bwd_row_groups(n_rows, sched, bwd_rows_per_thread(n_rows, sched))
+    n_ape = ratio * coff * d
+    slabs = [(torch.randn(groups, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(copies)]
+    split = ape_split(groups)
+    alone = graph_time_us(lambda st: reduce(st[0], st[1], split), slabs)
+    one = [(torch.randn(1, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(8)]
+    one_slab = graph_time_us(lambda st: reduce(st[0], st[1], 1), one)
+    print(f"{shape_name(shape):24s} full {full:6.1f}  main alone {main_only:6.1f}  atomic {atomic:6.1f}  "
+          f"reduction alone {alone:5.2f} ({groups} slabs of {n_ape * 4 // 1024} KB, split {split}, "
+          f"{copies} set(s) per graph)  one-slab reduction {one_slab:5.2f}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="1x8192x128x2x128,1x65536x64x1x512,4x8192x16x2x256,3x8192x4x2x512,"
+                        "1x65536x4x2x512,64x1000x4x2x128", help="comma list of SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
+    args = parser.parse_args()
+    print(f"device {torch.cuda.get_device_name()}; us per call, graph replay", flush=True)
+    for item in args.shapes.split(","):
+        probe(parse_shape(item))
+    tiny = [(torch.randn(1, device="cuda"), torch.empty(1, device="cuda")) for _ in range(8)]
+    print(f"one-element torch.add {graph_time_us(lambda st: torch.add(st[0], 1, out=st[1]), tiny):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
