@@ -162,11 +162,17 @@ def wall_us(fn, n=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
-def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
+def rotated_copies(shape):
+    """Input sets a shape's graph rotates over: enough that one pass over them is 3x the L2
+    (a call never finds its inputs there), at most 8."""
     seg, seqlen, ratio, coff, d = shape
     n_tok = seg * seqlen
-    per_set = traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd")
-    copies = max(1, min(8, -(-3 * L2_BYTES // per_set)))
+    return max(1, min(8, -(-3 * L2_BYTES // traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd"))))
+
+
+def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
+    seg, seqlen, ratio, coff, d = shape
+    copies = rotated_copies(shape)
     cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
     res = {"shape": shape_name(shape), "tokens": n_tok, "rows": n_rows}
     kw = dict(ratio=ratio, coff=coff, head_dim=d)

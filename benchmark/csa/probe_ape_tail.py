@@ -14,7 +14,7 @@ from unittest import mock
 
 import torch
 
-from bench_csa_compressor import L2_BYTES, graph_time_us, make_problem, parse_shape, shape_name, traffic_bytes
+from bench_csa_compressor import graph_time_us, make_problem, parse_shape, rotated_copies, shape_name
 from csa_frontend.compressor import kernels
 from csa_frontend.compressor.kernels import dispatch
 from csa_frontend.compressor.kernels.schedule import (ape_split, bwd_row_groups, bwd_rows_per_thread,
@@ -32,8 +32,7 @@ def without_reduction(main, _reduce, sched, few):
 
 def probe(shape):
     seg, seqlen, ratio, coff, d = shape
-    n_tok = seg * seqlen
-    copies = max(1, min(8, -(-3 * L2_BYTES // traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd"))))
+    copies = rotated_copies(shape)
     cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
     kw = dict(ratio=ratio, coff=coff, head_dim=d)
 

@@ -46,3 +46,16 @@ def test_tail_probe_skips_only_the_reductions():
     assert got[0] is main and got[2] is sched and got[1] is probe.no_op
     assert got[3][0] is few[0] and got[3][2] is few[2] and got[3][1] is probe.no_op
     assert probe.without_reduction(main, object(), sched, None)[3] is None
+
+
+@pytest.mark.L0
+def test_rotated_copies_exceed_the_l2():
+    """Small shapes rotate over up to 8 input sets so a call never finds its inputs in the L2;
+    shapes whose one set is 3x the L2 take one."""
+    assert bench.rotated_copies((1, 8192, 128, 2, 128)) == 8
+    assert bench.rotated_copies((1, 65536, 64, 1, 512)) == 1
+    for shape in bench.SHAPES:
+        seg, seqlen, ratio, coff, d = shape
+        per_set = bench.traffic_bytes(seg * seqlen, seg * seqlen // ratio, coff, d, "bwd")
+        copies = bench.rotated_copies(shape)
+        assert copies == 8 or copies * per_set >= 3 * bench.L2_BYTES
