@@ -318,7 +318,9 @@ def _floor_pow2(n: int) -> int:
 
 
 #: Widest stream vector per direction (swept on the H200: the forward at vec 8 lost 2-20%
-#: against vec 4). Tuning knob, e.g. CSA_FRONTEND_STREAM_MAX_VEC="fwd=8,bwd=4".
+#: against vec 4; the backward at vec 8 lost 19-40% and at vec 2 9-16% on r128 c1 d128, r64 c1
+#: d512, r16 c2 d256 and r128 c2 d512, NOTES rows 84 and 87). Tuning knob, e.g.
+#: CSA_FRONTEND_STREAM_MAX_VEC="fwd=8,bwd=4".
 STREAM_MAX_VEC = _per_direction({"fwd": 4, "bwd": 4}, "CSA_FRONTEND_STREAM_MAX_VEC")
 
 
