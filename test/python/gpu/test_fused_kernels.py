@@ -431,7 +431,6 @@ def stream_matrix_cases():
 @pytest.mark.parametrize("ratio,coff,head_dim,bucket", stream_matrix_cases())
 def test_stream_matrix(ratio, coff, head_dim, bucket, monkeypatch):
     if bucket == "default_schedule":
-        from csa_frontend.compressor.kernels import schedule
         monkeypatch.setattr(schedule, "STREAM_BWD_FEW_ROWS", 0)
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio), seed=ratio + coff)
 
@@ -509,7 +508,6 @@ def few_ctas(monkeypatch):
     """Aim every launch at one CTA per column tile, so each thread (window backward) or CTA
     (stream family) walks many rows: the next row's window is staged while this one is
     pooled, across empty and short segments, tails and padding rows."""
-    from csa_frontend.compressor.kernels import schedule
     for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS"):
         monkeypatch.setattr(schedule, name, 1)
 
@@ -528,7 +526,6 @@ def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
     """The interleaved row walk (``bwd_interleaved``), forced on: a thread's rows ``row_groups *
     row_lanes`` apart, so its cursor leaves its segment at almost every step (searches across
     empty, short and tail-only segments) and the last steps run past the real rows."""
-    from csa_frontend.compressor.kernels import schedule
     monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
     monkeypatch.setattr(schedule, "WINDOW_BWD_INTERLEAVE", "1")
     lengths = (edge_lengths(ratio) + [0, 5 * ratio, ratio - 1 if ratio > 1 else 3]) * 4
