@@ -70,6 +70,11 @@ COLD_CONFIGS = (COLD_CONFIG_CAPTURE, COLD_CONFIG_RAISE)
 #: seeds the GPU fuzz test draws
 FUZZ_CASES = 48
 
+#: kv elements (tokens x coff*head_dim) a short case may allocate; the fp64 oracle multiplies it
+SHORT_BUDGET = 6_000_000
+#: rows of a long case: enough for the long-launch schedules (bulk-copy forward, interleaved backward)
+LONG_ROWS = (4300, 6500)
+
 
 def fuzz_seeds() -> range:
     """The seeds the GPU fuzz test runs: ``range(FUZZ_CASES)``, or a deeper campaign on the
@@ -81,10 +86,6 @@ def fuzz_seeds() -> range:
     if not (sep and first.isdigit() and last.isdigit() and int(first) <= int(last)):
         raise ValueError(f"CSA_FRONTEND_FUZZ_SEEDS: expected 'first-last' (e.g. 48-447), got {spec!r}")
     return range(int(first), int(last) + 1)
-#: kv elements (tokens x coff*head_dim) a short case may allocate; the fp64 oracle multiplies it
-SHORT_BUDGET = 6_000_000
-#: rows of a long case: enough for the long-launch schedules (bulk-copy forward, interleaved backward)
-LONG_ROWS = (4300, 6500)
 
 
 def draw_fuzz_case(seed: int):
