@@ -163,6 +163,20 @@ def test_tiny_head_dims(ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(5, 2, 130), (7, 2, 512), (12, 1, 64), (16, 1, 192), (13, 1, 128)])
+def test_long_windows_at_vec2(ratio, coff, head_dim):
+    """Windows past the forward's values budget that still run in registers at vec 2 (up to 16
+    positions), whose backward is the register window up to 12 positions and streamed beyond
+    (ratio > 8): each direction under the contract of the family that serves it, on packs long
+    enough that the forward is the family's own, not the serial one."""
+    fwd = choose_schedule(ratio, coff, head_dim, "fwd")
+    assert fwd.family == "window" and fwd.vec == 2
+    assert coff * ratio * fwd.vec > schedule.WINDOW_REGISTER_BUDGET["fwd"]
+    check_pack(ratio, coff, head_dim, [1000, 37, 4096 + 3, 0, 2, 777, 20000], pad_rows=3, seed=ratio + head_dim,
+               extra_tokens=3, fwd_exact=True, bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window")
+
+
+@pytest.mark.L1
 def test_many_short_segments():
     check_config(4, 2, 128, [13, 4, 0, 7, 3, 8, 256] * 70, pad_rows=0, seed=11)
 
@@ -199,7 +213,7 @@ def check_cancelling_forward(ratio, coff, head_dim, lengths, seed):
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 128), (2, 2, 64), (8, 1, 64), (1, 2, 66),
-                                                 (3, 2, 65), (4, 2, 512)])
+                                                 (3, 2, 65), (4, 2, 512), (7, 2, 128), (16, 1, 512)])
 def test_cancelling_windows(ratio, coff, head_dim):
     check_cancelling_forward(ratio, coff, head_dim, [4096 + 3, 0, 2 * ratio, 1000], seed=ratio + coff)
 

@@ -28,7 +28,8 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
     assert 1 <= s.threads <= 1024
     if s.family == "window":
         budget = sch.WINDOW_REGISTER_BUDGET[direction]
-        assert width * s.vec <= budget
+        assert width * s.vec <= budget or (s.vec == 2 and sch.window_at_vec2(ratio, coff, head_dim, direction))
+        assert width * s.vec <= 32
         assert s.vec >= 2 or sch.vector_width(head_dim) == 1
         assert s.threads <= sch.WINDOW_CTA_THREADS[direction]
     else:
@@ -49,6 +50,38 @@ def test_window_to_stream_boundary():
     ratio = budget // 2 // 2  # coff 2, vec 2
     assert sch.choose_schedule(ratio, 2, 128, "bwd").family == "window"
     assert sch.choose_schedule(ratio + 1, 2, 128, "bwd").family == "stream"
+
+
+def test_long_windows_at_vec2_follow_the_measurements():
+    """NOTES row 89: the forward runs windows of up to 16 positions in registers at vec 2, but
+    ratio-8 coff-2 windows stream at head_dim >= 256; the backward keeps the bit-exact register
+    window for every ratio up to 8 and beyond it streams windows of more than 12 positions."""
+    def family(ratio, coff, head_dim, direction):
+        s = sch.choose_schedule(ratio, coff, head_dim, direction)
+        return s.family if s.family == "stream" else f"window{s.vec}"
+
+    assert family(4, 2, 512, "fwd") == "window2"  # within the budget: unchanged
+    for ratio, coff, head_dim in [(5, 2, 512), (7, 2, 512), (8, 2, 128), (9, 1, 512), (16, 1, 512), (16, 1, 130)]:
+        assert family(ratio, coff, head_dim, "fwd") == "window2"
+    for ratio, coff, head_dim in [(8, 2, 256), (8, 2, 512), (17, 1, 512), (9, 2, 128), (16, 2, 64)]:
+        assert family(ratio, coff, head_dim, "fwd") == "stream"
+    for ratio, coff, head_dim in [(8, 2, 512), (7, 2, 128), (8, 1, 512), (12, 1, 512), (10, 1, 128)]:
+        assert family(ratio, coff, head_dim, "bwd").startswith("window")
+    for ratio, coff, head_dim in [(13, 1, 512), (16, 1, 128), (16, 1, 256), (9, 2, 512)]:
+        assert family(ratio, coff, head_dim, "bwd") == "stream"
+    # odd head_dim keeps its scalar window wherever the budget admits it
+    assert family(16, 1, 65, "fwd") == family(16, 1, 65, "bwd") == "window1"
+
+
+def test_vec2_knob_zero_leaves_the_budget_alone(monkeypatch):
+    monkeypatch.setattr(sch, "WINDOW_FWD_VEC2_POSITIONS", 0)
+    sch.choose_schedule.cache_clear()
+    try:
+        assert sch.choose_schedule(4, 2, 512, "fwd").family == "window"
+        assert sch.choose_schedule(5, 2, 512, "fwd").family == "stream"
+    finally:
+        monkeypatch.undo()
+        sch.choose_schedule.cache_clear()
 
 
 def test_odd_head_dim_keeps_scalar_window():

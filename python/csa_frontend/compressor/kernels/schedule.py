@@ -44,6 +44,25 @@ WINDOW_FWD_CHECKED = os.environ.get("CSA_FRONTEND_WINDOW_FWD_CHECKED", "1") == "
 #: 16 values (vec 2 for r4/c2, 5 CTAs per SM), backward at 32 (vec 4).
 #: Tuning knob for experiments (benchmark sweeps), e.g. CSA_FRONTEND_WINDOW_BUDGET="fwd=16,bwd=32".
 WINDOW_REGISTER_BUDGET = _per_direction({"fwd": 16, "bwd": 32}, "CSA_FRONTEND_WINDOW_BUDGET")
+#: Register-window forward: windows of up to this many positions still run in the register
+#: window at vec 2 (4-byte accesses, up to 32 values; 56-80 registers) where the budget above
+#: would stream them. Measured on the H200 (NOTES row 89, fwd us stream -> window at vec 2):
+#: 1x32768 d512 r5 c2 50.5 -> 36.5, r6 c2 44.6 -> 36.3, r7 c2 41.4 -> 36.1, r10 c1 25.9 -> 19.8,
+#: r12 c1 22.9 -> 19.8, r14 c1 22.5 -> 20.0, r16 c1 20.6 -> 19.9; d128/d256 r6-r8 c2, r12-r16 c1
+#: 14-20% faster. Not coff-2 windows of 16 positions (ratio 8) at head_dim >= 256, which the
+#: stream forward runs faster (d512 38.7 against 44.1 us; d256 equal). Tuning knob,
+#: CSA_FRONTEND_WINDOW_FWD_VEC2_POSITIONS (0: the budget alone decides).
+WINDOW_FWD_VEC2_POSITIONS = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_VEC2_POSITIONS", "16"))
+#: Register-window backward: past ratio ``WINDOW_BWD_BITWISE_RATIO`` windows of more than
+#: ``WINDOW_BWD_LONG_POSITIONS`` positions are streamed although the budget admits them at vec
+#: 2: from 13 positions ptxas needs 130-160 registers (one 256-thread CTA per SM) and the stream
+#: backward is faster (H200, NOTES row 89, bwd us window -> stream: 1x32768 d512 r13 c1 49.3 ->
+#: 42.8, r14 c1 50.5 -> 42.1, r16 c1 51.7 -> 42.6; r16 c1 d256 30.5 -> 24.3, d128 30.5 -> 23.3).
+#: Ratios up to 8 keep the register window everywhere, with its bit-identical gradients (the
+#: small-ratio contract), though at 14-16 positions the stream one is faster (r8 c2 d512 95.4
+#: against 84.8 us, r7 c2 87.0 against 78.4).
+WINDOW_BWD_BITWISE_RATIO = 8
+WINDOW_BWD_LONG_POSITIONS = 12
 #: Widest vector per direction: backward at vec 8 (r4 c1, 32 values) ran 3x8192 d512 in 46.6 us,
 #: at vec 4 in 39.2 us (more CTAs per SM); the forward keeps 16-byte accesses where they fit.
 WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
@@ -119,6 +138,21 @@ def window_fits(ratio: int, coff: int, vec: int, direction: str = "fwd") -> bool
     return coff * ratio * vec <= WINDOW_REGISTER_BUDGET[direction]
 
 
+def window_at_vec2(ratio: int, coff: int, head_dim: int, direction: str) -> bool:
+    """Whether a window too long for the values budget at wider vectors runs in the register
+    window at vec 2 (4-byte accesses) anyway (``WINDOW_FWD_VEC2_POSITIONS``), or one the budget
+    admits is streamed instead (``WINDOW_BWD_LONG_POSITIONS``): where each family is faster."""
+    positions = coff * ratio
+    if direction == "fwd":
+        if window_fits(ratio, coff, 2, direction):
+            return True
+        if coff == 2 and positions > 14 and head_dim >= 256:
+            return False
+        return positions <= WINDOW_FWD_VEC2_POSITIONS
+    return (window_fits(ratio, coff, 2, direction)
+            and (ratio <= WINDOW_BWD_BITWISE_RATIO or positions <= WINDOW_BWD_LONG_POSITIONS))
+
+
 @lru_cache(maxsize=None)
 def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd") -> Schedule:
     """The schedule for a configuration and direction; depends only on static facts."""
@@ -128,7 +162,11 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
     narrow = min(vec, WINDOW_MAX_VEC[direction])
     while narrow > 1 and not window_fits(ratio, coff, narrow, direction):
         narrow //= 2
-    if not (window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1)):
+    fits = window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1)
+    if vec >= 2 and narrow <= 2:
+        # the longest windows at 4-byte accesses: measured per family (``window_at_vec2``)
+        fits, narrow = window_at_vec2(ratio, coff, head_dim, direction), 2
+    if not fits:
         return _stream_schedule(ratio, coff, head_dim, vec, direction)
     vec = narrow
     n_vec = head_dim // vec
