@@ -31,13 +31,17 @@ KERNELS = {"WindowForward": "window fwd", "StreamForward": "stream fwd", "Window
            "StreamBackward": "stream bwd"}
 
 
+def parse_ptxas(verbose: str) -> dict:
+    """Registers and spill bytes (stores + loads) from ``ptxas -v`` of one entry point."""
+    regs = int(re.search(r"Used (\d+) registers", verbose).group(1))
+    spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
+    return {"registers": regs, "spill_bytes": spill}
+
+
 def ptxas_report(ptx: Path) -> dict:
-    """Registers, spill bytes (stores + loads) of the one entry point in ``ptx``."""
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
                          capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", out).group(1))
-    spill = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
-    return {"registers": regs, "spill_bytes": spill}
+    return parse_ptxas(out)
 
 
 def measure(ratio: int, coff: int, head_dim: int, budget: str) -> dict:

@@ -1,4 +1,5 @@
-"""The benchmark's ``--shapes`` items (CPU): indices into its SHAPES table or explicit shapes."""
+"""The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
+shapes), the tail probe's reduction swap, the rotated copies and the ptxas report parser."""
 import os
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmark", "csa"))
 import bench_csa_compressor as bench  # noqa: E402
+import window_registers  # noqa: E402
 
 
 @pytest.mark.L0
@@ -59,3 +61,12 @@ def test_rotated_copies_exceed_the_l2():
         per_set = bench.traffic_bytes(seg * seqlen, seg * seqlen // ratio, coff, d, "bwd")
         copies = bench.rotated_copies(shape)
         assert copies == 8 or copies * per_set >= 3 * bench.L2_BYTES
+
+
+@pytest.mark.L0
+def test_window_registers_reads_ptxas():
+    verbose = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+               "ptxas info    : Function properties for k\n"
+               "    0 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads\n"
+               "ptxas info    : Used 255 registers, used 1 barriers\n")
+    assert window_registers.parse_ptxas(verbose) == {"registers": 255, "spill_bytes": 32}
