@@ -53,6 +53,9 @@ WINDOW_REGISTER_BUDGET = _per_direction({"fwd": 16, "bwd": 32}, "CSA_FRONTEND_WI
 #: stream forward runs faster (d512 38.7 against 44.1 us; d256 equal). Tuning knob,
 #: CSA_FRONTEND_WINDOW_FWD_VEC2_POSITIONS (0: the budget alone decides).
 WINDOW_FWD_VEC2_POSITIONS = int(os.environ.get("CSA_FRONTEND_WINDOW_FWD_VEC2_POSITIONS", "16"))
+#: ... and the coff-2 windows it leaves to the stream forward: more positions than this, at
+#: head_dim >= the second value.
+WINDOW_FWD_VEC2_COFF2_STREAMED = (14, 256)
 #: Register-window backward: past ratio ``WINDOW_BWD_BITWISE_RATIO`` windows of more than
 #: ``WINDOW_BWD_LONG_POSITIONS`` positions are streamed although the budget admits them at vec
 #: 2: from 13 positions ptxas needs 130-160 registers (one 256-thread CTA per SM) and the stream
@@ -146,7 +149,8 @@ def window_at_vec2(ratio: int, coff: int, head_dim: int, direction: str) -> bool
     if direction == "fwd":
         if window_fits(ratio, coff, 2, direction):
             return True
-        if coff == 2 and positions > 14 and head_dim >= 256:
+        most, wide = WINDOW_FWD_VEC2_COFF2_STREAMED
+        if coff == 2 and positions > most and head_dim >= wide:
             return False
         return positions <= WINDOW_FWD_VEC2_POSITIONS
     return (window_fits(ratio, coff, 2, direction)
