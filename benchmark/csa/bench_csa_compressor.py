@@ -8,7 +8,7 @@ leaves per-launch costs out, so on small shapes a copy's time, not the floor, is
 simplest kernel reaches), and the host wall clock per call without graphs. Prints a table,
 writes JSON and a PNG chart.
 
-    python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|i,j,...] [--out DIR]
+    python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|families|midratio|i,j,...] [--out DIR]
         [--providers fused,eager,copy] [--directions fwd,bwd]
 
 ``--shapes`` items are indices into SHAPES or ``SEGxSEQLENxRATIOxCOFFxHEAD_DIM`` (e.g.
@@ -36,6 +36,30 @@ SHAPES = [
     (1, 131072, 128, 2, 512), (512, 256, 4, 2, 512), (64, 1000, 4, 2, 128), (4, 8192, 16, 2, 256),
     (1, 65536, 64, 1, 512),
 ]
+
+#: Named ``--shapes`` sets beyond SPEC's rows: each side of the boundary between the register
+#: window and the stream family (NOTES row 89, docs/performance.md "Session 22"), and stream
+#: windows of mid ratios on short packs (NOTES row 90).
+SHAPE_SETS = {
+    "families": [(1, 32768, r, c, 512) for r, c in ((4, 2), (5, 2), (6, 2), (7, 2), (8, 2), (16, 2), (8, 1), (10, 1),
+                                                    (12, 1), (13, 1), (14, 1), (16, 1), (32, 1))]
+                + [(1, 32768, 8, 2, 256), (1, 32768, 16, 1, 256)]
+                + [(1, 65536, r, c, 128) for r, c in ((6, 2), (7, 2), (8, 2), (12, 1), (16, 1))],
+    "midratio": [(1, 32768, 24, 1, 512), (1, 32768, 32, 2, 128), (1, 16384, 48, 2, 256), (1, 65536, 200, 1, 192),
+                 (2, 16384, 100, 2, 128), (1, 32768, 17, 1, 256)],
+}
+
+
+def select_shapes(arg: str):
+    """``--shapes``: all (SPEC's rows), r4 (its small-ratio rows), a name in SHAPE_SETS, or a
+    comma list of items (``parse_shape``)."""
+    if arg == "all":
+        return list(SHAPES)
+    if arg == "r4":
+        return [s for s in SHAPES if s[2] <= 8]
+    if arg in SHAPE_SETS:
+        return list(SHAPE_SETS[arg])
+    return [parse_shape(i) for i in arg.split(",")]
 
 
 def parse_shape(item: str):
@@ -239,18 +263,15 @@ def chart(results, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="all",
-                    help="all, r4 (small-ratio rows) or a comma list of indices / SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
+                    help="all, r4 (small-ratio rows), families, midratio (SHAPE_SETS) or a comma list of "
+                         "indices / SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
     ap.add_argument("--providers", default="fused,eager,copy",
                     help="fused, eager (upstream eager region), compile (torch.compile of it), copy (a streaming "
                          "kernel moving the same bytes)")
     ap.add_argument("--directions", default="fwd,bwd", help="fused directions to time (A/B runs of one kernel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    shapes = SHAPES
-    if args.shapes == "r4":
-        shapes = [s for s in SHAPES if s[2] <= 8]
-    elif args.shapes != "all":
-        shapes = [parse_shape(i) for i in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     providers = args.providers.split(",")
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -18,6 +18,18 @@ def test_index_and_explicit_shapes():
 
 
 @pytest.mark.L0
+def test_named_shape_sets():
+    assert bench.select_shapes("all") == bench.SHAPES
+    assert all(s[2] <= 8 for s in bench.select_shapes("r4")) and (3, 8192, 4, 2, 512) in bench.select_shapes("r4")
+    families = bench.select_shapes("families")
+    # both sides of each family boundary the planner draws (NOTES row 89)
+    sides = {(1, 32768, 4, 2, 512), (1, 32768, 8, 2, 512), (1, 32768, 12, 1, 512), (1, 32768, 13, 1, 512)}
+    assert sides <= set(families)
+    assert (1, 16384, 48, 2, 256) in bench.select_shapes("midratio")
+    assert bench.select_shapes("3,1x16384x4x2x512") == [bench.SHAPES[3], (1, 16384, 4, 2, 512)]
+
+
+@pytest.mark.L0
 @pytest.mark.parametrize("item", ["1x2x3", "1x2x3x4x5x6"])
 def test_malformed_shape_names_the_item(item):
     with pytest.raises(SystemExit, match=item):
