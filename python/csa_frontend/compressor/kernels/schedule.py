@@ -142,9 +142,10 @@ def window_fits(ratio: int, coff: int, vec: int, direction: str = "fwd") -> bool
 
 
 def window_at_vec2(ratio: int, coff: int, head_dim: int, direction: str) -> bool:
-    """Whether a window too long for the values budget at wider vectors runs in the register
-    window at vec 2 (4-byte accesses) anyway (``WINDOW_FWD_VEC2_POSITIONS``), or one the budget
-    admits is streamed instead (``WINDOW_BWD_LONG_POSITIONS``): where each family is faster."""
+    """For a window that fits the values budget at no vector wider than 2: whether it runs in
+    the register window at vec 2 (4-byte accesses). The forward also takes windows the budget
+    would stream (``WINDOW_FWD_VEC2_POSITIONS``), the backward streams some it admits
+    (``WINDOW_BWD_LONG_POSITIONS``): where each family measured faster."""
     positions = coff * ratio
     if direction == "fwd":
         if window_fits(ratio, coff, 2, direction):
@@ -166,10 +167,11 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
     narrow = min(vec, WINDOW_MAX_VEC[direction])
     while narrow > 1 and not window_fits(ratio, coff, narrow, direction):
         narrow //= 2
-    fits = window_fits(ratio, coff, narrow, direction) and (narrow >= 2 or vec == 1)
     if vec >= 2 and narrow <= 2:
         # the longest windows at 4-byte accesses: measured per family (``window_at_vec2``)
         fits, narrow = window_at_vec2(ratio, coff, head_dim, direction), 2
+    else:
+        fits = window_fits(ratio, coff, narrow, direction)
     if not fits:
         return _stream_schedule(ratio, coff, head_dim, vec, direction)
     vec = narrow
