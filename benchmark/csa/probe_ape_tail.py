@@ -25,9 +25,9 @@ def no_op(*_):
     return None
 
 
-def without_reduction(main, _reduce, sched, few):
+def without_reduction(main, _reduce, sched, per_sm, few):
     """The entries of ``dispatch._kernels_for`` with both schedules' slab reductions skipped."""
-    return main, no_op, sched, None if few is None else (few[0], no_op, few[2])
+    return main, no_op, sched, per_sm, None if few is None else (few[0], no_op, few[2], few[3])
 
 
 def probe(shape):
@@ -45,10 +45,10 @@ def probe(shape):
     entries = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, d)
     with mock.patch.object(dispatch, "_kernels_for", lambda *_: without_reduction(*entries)):
         main_only = graph_time_us(backward, sets)
-    _, reduce, sched, few = entries
-    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2]):
-        _, reduce, sched = few
-    groups = bwd_row_groups(n_rows, sched, bwd_rows_per_thread(n_rows, sched))
+    _, reduce, sched, per_sm, few = entries
+    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2], per_sm):
+        _, reduce, sched, per_sm = few
+    groups = bwd_row_groups(n_rows, sched, bwd_rows_per_thread(n_rows, sched, per_sm))
     n_ape = ratio * coff * d
     slabs = [(torch.randn(groups, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(copies)]
     split = ape_split(groups)

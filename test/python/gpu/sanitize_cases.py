@@ -21,10 +21,11 @@ from packs import edge_lengths, offsets, random_inputs
 # (ratio, coff, head_dim): register-window production shape, odd head_dim (scalar accesses) on
 # the own-block window, head_dim 2 (256 row lanes per backward CTA: the slab's lane sum as a
 # runtime loop), a forward window past the values budget at vec 2 (r7 c2: 14 positions), and
-# ratios served by the stream family (their packs are small enough for the serial forward);
+# ratios served by the stream family (their packs are small enough for the serial forward; r48
+# c2: a 384-thread backward CTA, chunks padded to whole warps, one per SM);
 # main() adds the families' own forwards, the bulk-copy forward and the interleaved backward
 # row walk.
-CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2, 64), (32, 1, 64)]
+CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2, 64), (32, 1, 64), (48, 2, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 

@@ -374,12 +374,12 @@ def test_stream_row_buckets_capture_after_one_long_call():
     grad_out = torch.randn(int(comp[-1]), d, device="cuda").to(torch.bfloat16)
     kernels.backward(kv, score, ape, cu, comp, grad_out, torch.empty_like(kv), torch.empty_like(score),
                      torch.empty_like(ape), ratio=ratio, coff=coff, head_dim=d)
-    sched = schedule.choose_schedule(ratio, coff, d, "bwd")
-    few = schedule.few_rows_schedule(ratio, coff, d)
-    assert not schedule.takes_few_rows_schedule(int(comp[-1]), sched, few)
+    _, _, sched, per_sm, few_kernels = dispatch._kernels_for("bwd", kv.device, ratio, coff, d)
+    few = few_kernels[2]
+    assert not schedule.takes_few_rows_schedule(int(comp[-1]), sched, few, per_sm)
     keys = dispatch.cache_keys()
     short_cu, short_comp = offsets([ratio * 3 + 5, 2 * ratio], ratio)
-    assert schedule.takes_few_rows_schedule(int(short_comp[-1]), sched, few)
+    assert schedule.takes_few_rows_schedule(int(short_comp[-1]), sched, few, per_sm)
     skv, sscore = kv[: int(short_cu[-1])].clone(), score[: int(short_cu[-1])].clone()
     sgo = grad_out[: int(short_comp[-1])].clone()
     gkv, gs, gape = torch.empty_like(skv), torch.empty_like(sscore), torch.empty_like(ape)
@@ -480,8 +480,8 @@ def test_slab_reduction_order(n_slab):
     from csa_frontend.compressor.kernels import dispatch
     from csa_frontend.compressor.kernels.schedule import ape_split
     ratio, coff, head_dim = 4, 2, 128
-    _, reduce, _, _ = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio,
-                                            coff, head_dim)
+    _, reduce, *_ = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio,
+                                          coff, head_dim)
     n = ratio * coff * head_dim
     g = torch.Generator(device="cuda").manual_seed(n_slab)
     slab = 10 * torch.randn(n_slab, n, device="cuda", generator=g)
@@ -523,7 +523,7 @@ def few_ctas(monkeypatch):
     """Aim every launch at one CTA per column tile, so each thread (window backward) or CTA
     (stream family) walks many rows: the next row's window is staged while this one is
     pooled, across empty and short segments, tails and padding rows."""
-    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS"):
+    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS", "STREAM_GRID_SMS"):
         monkeypatch.setattr(schedule, name, 1)
 
 

@@ -30,9 +30,9 @@ ARCHS = ["sm_90a", "sm_100a", "sm_80"]
 def compile_all(ratio, coff, head_dim, arch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DSLOptimizationWarning)
-        fwd, fwd_sched = dispatch.compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-        main, reduce, bwd_sched = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-        atomic, no_reduce, _ = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
+        fwd, fwd_sched, _ = dispatch.compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+        main, reduce, bwd_sched, _ = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+        atomic, no_reduce, _, _ = dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch,
                                                          deterministic=False)
     # the DSL warns of trace-time loops long enough to make compiles slow (seconds per kernel)
     slow = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DSLOptimizationWarning)]
@@ -194,5 +194,5 @@ def test_window_backward_pipeline_depth_knob_compiles(ratio, coff, head_dim, mon
     monkeypatch.setitem(schedule.WINDOW_BWD_STAGES, f"c{coff}", 3)
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
     assert sched.family == "window"
-    main, reduce, _ = dispatch._build_backward(ratio, coff, head_dim, sched, "sm_90a")
+    main, reduce, *_ = dispatch._build_backward(ratio, coff, head_dim, sched, "sm_90a")
     assert main is not None and reduce is not None

@@ -112,7 +112,7 @@ def test_window_rows_per_thread_bucket_edges():
 
 def test_stream_forward_rows_per_cta():
     s = sch.choose_schedule(128, 2, 512, "fwd")
-    row_ctas = sch.STREAM_FWD_TARGET_THREADS // s.threads // s.col_tiles
+    row_ctas = sch.stream_row_ctas(s, "fwd")
     assert sch.fwd_rows_per_cta(1, s) == 1
     assert sch.fwd_rows_per_cta(row_ctas, s) == 1
     assert sch.fwd_rows_per_cta(row_ctas + 1, s) == 2
@@ -127,6 +127,49 @@ def test_stream_forward_grid_stays_within_target(ratio, coff, head_dim):
         ctas = -(-n_rows // rpc) * s.col_tiles
         assert ctas * s.threads <= max(sch.STREAM_FWD_TARGET_THREADS, s.col_tiles * s.threads)
         assert -(-n_rows // rpc) * rpc >= n_rows
+
+
+@pytest.mark.parametrize("threads,registers,ctas", [
+    (512, 127, 1), (512, 64, 2), (416, 128, 1), (320, 96, 2), (320, 106, 1), (288, 123, 1), (256, 128, 2),
+    (256, 129, 1), (224, 128, 2), (192, 100, 3), (160, 126, 3), (96, 124, 5), (64, 96, 10), (64, 16, 32),
+    (1024, 32, 2), (32, 255, 8)])
+def test_resident_ctas_per_sm(threads, registers, ctas):
+    """Registers go per warp in units of 256 from 65536 per SM; 2048 threads and 32 CTAs cap the
+    rest (values as ptxas gave them to the stream backward, NOTES row 91)."""
+    assert sch.resident_ctas_per_sm(threads, registers) == ctas
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (64, 1, 512), (128, 1, 128),
+                                                (48, 2, 256), (100, 2, 128), (200, 1, 192), (37, 2, 512),
+                                                (13, 2, 1024), (17, 1, 256), (12, 2, 64), (256, 2, 4096)])
+@pytest.mark.parametrize("registers", [64, 96, 112, 128, 168])
+def test_stream_grid_is_one_even_wave(direction, ratio, coff, head_dim, registers):
+    """The stream grid: the same CTA count on each of STREAM_GRID_SMS SMs (up to the column tiles'
+    rounding), never more than fit at once, the thread target's CTAs per SM rounded up; where
+    512 / threads is whole and the kernel fits it (the 512- and 256-thread CTAs of every SPEC
+    row), exactly the grid of the thread target alone."""
+    s = sch.choose_schedule(ratio, coff, head_dim, direction)
+    resident = sch.resident_ctas_per_sm(s.threads, registers)
+    row_ctas = sch.stream_row_ctas(s, direction, resident)
+    target = sch.STREAM_FWD_TARGET_THREADS if direction == "fwd" else sch.STREAM_BWD_TARGET_THREADS
+    per_sm = min(resident, -(-target // (sch.STREAM_GRID_SMS * s.threads)))
+    assert row_ctas * s.col_tiles <= max(sch.STREAM_GRID_SMS * per_sm, s.col_tiles)
+    assert row_ctas == max(1, sch.STREAM_GRID_SMS * per_sm // s.col_tiles)
+    if target % (sch.STREAM_GRID_SMS * s.threads) == 0 and resident * s.threads * sch.STREAM_GRID_SMS >= target:
+        assert row_ctas == max(1, target // s.threads // s.col_tiles)
+    rows = sch.fwd_rows_per_cta if direction == "fwd" else sch.bwd_rows_per_thread
+    for n_rows in (1, 300, 4096, 10 ** 6 + 7):
+        per_cta = rows(n_rows, s, resident)
+        assert per_cta == max(1, -(-n_rows // row_ctas))
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_stream_resident_knob_off_keeps_the_thread_target(monkeypatch, direction):
+    s = sch.choose_schedule(48, 2, 256, direction)
+    monkeypatch.setitem(sch.STREAM_RESIDENT, direction, 0)
+    target = sch.STREAM_FWD_TARGET_THREADS if direction == "fwd" else sch.STREAM_BWD_TARGET_THREADS
+    assert sch.stream_row_ctas(s, direction, 1) == max(1, target // s.threads // s.col_tiles)
 
 
 def _interleave_edge(ratio=4, coff=2, head_dim=512):
@@ -245,7 +288,7 @@ def test_few_rows_bucket_boundary(ratio, coff, head_dim):
     narrow = few.threads < s.threads
     assert narrow is (coff * ratio <= sch.STREAM_BWD_FEW_ROWS_NARROW and s.threads == 512)
     limit = sch.STREAM_BWD_FEW_ROWS_NARROW_ROWS if narrow else sch.STREAM_BWD_FEW_ROWS
-    row_ctas = max(1, sch.STREAM_BWD_TARGET_THREADS // s.threads // s.col_tiles)
+    row_ctas = sch.stream_row_ctas(s, "bwd")
     last = row_ctas * limit
     for n_rows in (0, 1, row_ctas, last):
         assert sch.takes_few_rows_schedule(n_rows, s, few)
@@ -401,14 +444,14 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     seen = set()
     for rows in (1, 4000, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, bulk, None, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, None, *inputs, out)
         assert args[:6] == inputs + (out,)
         per_cta = sch.bulk_forward_walk(rows, bulk_sched)
         if per_cta:
             assert (fn, args[6:]) == ("bulk", (per_cta,))
             seen.add("bulk")
         elif sched.family == "stream":
-            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched),))
+            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1),))
             seen.add("stream")
         else:
             assert (fn, args[6:]) == ("own", ())
@@ -448,8 +491,8 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
     edge = sch.SERIAL_FWD_MAX_OUTPUTS // head_dim
     for rows in (1, edge, edge + 1, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, bulk, serial, *inputs, out)
-        with_serial_off = dispatch.forward_call("own", sched, bulk, None, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, *inputs, out)
+        with_serial_off = dispatch.forward_call("own", sched, 1, bulk, None, *inputs, out)
         if rows <= edge:
             assert (fn, args) == ("serial", inputs + (out,))
         else:

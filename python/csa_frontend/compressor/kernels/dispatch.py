@@ -19,7 +19,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .cubin import registers
 from .schedule import (
+    ASSUMED_REGISTERS,
     PDL,
     Schedule,
     ape_split,
@@ -32,6 +34,7 @@ from .schedule import (
     choose_schedule,
     few_rows_schedule,
     fwd_rows_per_cta,
+    resident_ctas_per_sm,
     serial_forward_schedule,
     takes_few_rows_schedule,
     takes_serial_forward,
@@ -121,11 +124,27 @@ def _fake_tensors(ratio: int, coff: int, head_dim: int):
     )
 
 
-def _options(arch: Optional[str]) -> str:
+def _options(arch: Optional[str], cubin_dir: Optional[str] = None) -> str:
     opts = "--enable-tvm-ffi"
     if arch:
         opts += f" --gpu-arch={arch}"
+    if cubin_dir:
+        opts += f" --keep-cubin --dump-dir={cubin_dir}"
     return opts
+
+
+def _compile_resident(op, *args, arch: Optional[str]):
+    """(compiled ``op``, CTAs of it an SM holds at once), the latter from the registers in its
+    cubin (``ASSUMED_REGISTERS`` where the cubin has no count). The stream kernels size their
+    grids by it (``schedule.stream_row_ctas``)."""
+    import tempfile
+
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_") as cubin_dir:
+        fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
+        regs = registers(getattr(fn, "__cubin__", None))
+    return fn, resident_ctas_per_sm(op.sched.threads, regs or ASSUMED_REGISTERS)
 
 
 def uses_pdl(arch: Optional[str]) -> bool:
@@ -135,7 +154,7 @@ def uses_pdl(arch: Optional[str]) -> bool:
 
 
 def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
-    """(compiled forward, its schedule)."""
+    """(compiled forward, its schedule, CTAs per SM: the stream forward's residency, else 0)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -152,19 +171,20 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     if sched.stages:
         fn = cute.compile(WindowForwardBulk(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
                           stream, options=_options(arch))
-        return fn, sched
+        return fn, sched, 0
     if sched.family in ("window", "serial"):
         family = WindowForward if sched.family == "window" else SerialForward
         fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
-        return fn, sched
-    fn = cute.compile(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1), stream,
-                      options=_options(arch))
-    return fn, sched
+        return fn, sched, 0
+    fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
+                                   stream, arch=arch)
+    return fn, sched, per_sm
 
 
 def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str],
                     atomic: bool = False):
-    """(main kernel, slab reduction or None for the atomic variant, schedule)."""
+    """(main kernel, slab reduction or None for the atomic variant, schedule, CTAs of the main
+    kernel per SM: the stream family's residency, else 0)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -178,16 +198,21 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     family = WindowBackward if sched.family == "window" else StreamBackward
     op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch))
     one = cutlass.Int32(1)
-    main = cute.compile(op, f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"],
-                        f["slab"], one, one, one, one, stream, options=_options(arch))
+    args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], one, one, one, one,
+            stream)
+    if sched.family == "stream":
+        main, per_sm = _compile_resident(op, *args, arch=arch)
+    else:
+        main, per_sm = cute.compile(op, *args, options=_options(arch)), 0
     if atomic:
-        return main, None, sched
+        return main, None, sched, per_sm
     reduce = cute.compile(ApeReduce(op.pdl), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
-    return main, reduce, sched
+    return main, reduce, sched, per_sm
 
 
 def _compile_forward_schedule(ratio: int, coff: int, head_dim: int, arch: Optional[str], sched):
-    """(compiled forward, schedule) of one forward schedule, or None where the planner gave none."""
+    """(compiled forward, schedule, CTAs per SM) of one forward schedule, or None where the
+    planner gave none."""
     if sched is None:
         return None
     key = ("fwd", arch, ratio, coff, head_dim, sched)
@@ -195,7 +220,7 @@ def _compile_forward_schedule(ratio: int, coff: int, head_dim: int, arch: Option
 
 
 def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
-    """(compiled forward, schedule) of the default schedule. The bulk-copy forward
+    """(compiled forward, schedule, CTAs per SM) of the default schedule. The bulk-copy forward
     (``bulk_forward_schedule``), where the planner has one for ``arch``, and the serial forward
     of small launches (``serial_forward_schedule``) are compiled too, so no row count ever
     compiles later (``compile_forward_bulk``, ``compile_forward_serial``)."""
@@ -206,19 +231,20 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 
 def compile_forward_serial(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
-    """(compiled serial forward, schedule), or None where it is off."""
+    """(compiled serial forward, schedule, 0), or None where it is off."""
     return _compile_forward_schedule(ratio, coff, head_dim, arch, serial_forward_schedule(ratio, coff, head_dim))
 
 
 def compile_forward_bulk(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
-    """(compiled bulk-copy forward, schedule), or None where the planner has none for ``arch``."""
+    """(compiled bulk-copy forward, schedule, 0), or None where the planner has none for ``arch``."""
     return _compile_forward_schedule(ratio, coff, head_dim, arch, bulk_forward_schedule(ratio, coff, head_dim, arch))
 
 
 def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
                      deterministic: bool = True):
     """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant:
-    (main kernel, slab reduction or None, schedule) of the default schedule. The few-rows
+    (main kernel, slab reduction or None, schedule, CTAs of the main kernel per SM) of the
+    default schedule. The few-rows
     schedule's kernels (``few_rows_schedule``), where the planner has one, are compiled too, so
     no row count ever compiles later (``compile_backward_few_rows``)."""
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
@@ -292,21 +318,22 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             serial = compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-            # (forward, schedule, then the bulk-copy and the serial schedules' (forward, schedule)
-            # or None)
+            # (forward, schedule, CTAs per SM, then the bulk-copy and the serial schedules'
+            # (forward, schedule, 0) or None)
             direct = _direct_entries(fns) + tuple(None if f is None else _direct_entries(f) for f in (bulk, serial))
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
             few = compile_backward_few_rows(**kw)
-            # (main, reduce, schedule, the few-rows schedule's (main, reduce, schedule) or None)
+            # (main, reduce, schedule, CTAs per SM, the few-rows schedule's (main, reduce, schedule,
+            # CTAs per SM) or None)
             direct = _direct_entries(fns) + (None if few is None else _direct_entries(few),)
         entry = _by_device[key] = (fns, direct)
     return entry[1]
 
 
 def _direct_entries(fns):
-    return tuple(_direct_entry(f) if f is not None and not isinstance(f, Schedule) else f for f in fns)
+    return tuple(_direct_entry(f) if callable(f) else f for f in fns)
 
 
 #: The current CUDA device index without torch.cuda.current_device()'s lazy-init check (the
@@ -318,10 +345,11 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
-def forward_call(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+def forward_call(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
     """(compiled function, its arguments) of one forward launch: the serial kernel for launches
     of few output elements (``takes_serial_forward``), the bulk-copy kernel where the row count
-    gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own."""
+    gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own (``per_sm``:
+    its CTAs per SM, which size a stream forward's grid)."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
     if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1]):
@@ -330,12 +358,12 @@ def forward_call(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens
     if per_cta:
         return bulk[0], args + (per_cta,)
     if sched.family == "stream":
-        return fn, args + (fwd_rows_per_cta(rows, sched),)
+        return fn, args + (fwd_rows_per_cta(rows, sched, per_sm),)
     return fn, args
 
 
-def _launch_forward(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-    call, args = forward_call(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+def _launch_forward(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    call, args = forward_call(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     call(*args)
 
 
@@ -351,12 +379,12 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
         _launch_forward(*args)
 
 
-def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
+def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
-    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2]):
-        main, reduce, sched = few
-    rpt = bwd_rows_per_thread(n_rows, sched)
+    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2], per_sm):
+        main, reduce, sched, per_sm = few
+    rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)
@@ -377,8 +405,8 @@ def _launch_backward(main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_se
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
              ratio, coff, head_dim, deterministic=True, stream=None):
     direction = "bwd" if deterministic else "bwd_atomic"
-    main, reduce, sched, few = _kernels_for(direction, kv.device, ratio, coff, head_dim)
-    args = (main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+    main, reduce, sched, per_sm, few = _kernels_for(direction, kv.device, ratio, coff, head_dim)
+    args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
             grad_score, grad_ape, ratio, coff, head_dim)
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
@@ -396,7 +424,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
-    fn, sched, bulk, serial = _kernels_for("fwd", device, ratio, coff, head_dim)
+    fn, sched, per_sm, bulk, serial = _kernels_for("fwd", device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
@@ -405,7 +433,7 @@ def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int)
         if _current_device() != index:
             return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
                            head_dim=head_dim)
-        _launch_forward(fn, sched, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        _launch_forward(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     return launch
 
 
@@ -413,12 +441,12 @@ def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int
                       deterministic: bool = True) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
     grad_ape)`` on the current stream."""
-    main, reduce, sched, few = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
+    main, reduce, sched, per_sm, few = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
                                             head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape):
-        args = (main, reduce, sched, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
+        args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
                 grad_score, grad_ape, ratio, coff, head_dim)
         if _current_device() != index:
             with _on_stream(kv.device, None):

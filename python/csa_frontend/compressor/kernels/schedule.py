@@ -97,6 +97,27 @@ WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE
 #: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
 #: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
 STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS", "65536"))
+#: Both stream grids are also capped at one resident wave: the CTAs that fit at once on
+#: STREAM_GRID_SMS SMs at the compiled kernel's register count (``resident_ctas_per_sm``; read
+#: from its cubin at compile time). The thread targets count 512 threads per SM, true only of
+#: 512- and 256-thread backward CTAs of <= 128 registers: one of 288-480 threads fits once per
+#: SM (twice at <= 96-113 registers), so the target alone launched 1.2-1.7 waves, the last one
+#: mostly idle. Measured on the H200 (session 23, backward us, target alone / one wave):
+#: 1x16384 r48 c2 d256 41.6 / 28.7, 1x131072 r200 c2 d256 397.1 / 228.6, 1x65536 r100 c1 d512
+#: 162.8 / 98.7, 4x8192 r13 c2 d1024 216.3 / 155.8; where a 320-thread CTA fits twice (96
+#: registers) a one-per-SM grid lost 78 -> 103 us, hence the real register count. A constant
+#: SM count, not the device's, so the row split (grad_ape's summation order) depends only on the
+#: compiled kernel. Tuning knob (A/B), e.g. CSA_FRONTEND_STREAM_RESIDENT="fwd=0,bwd=0": the
+#: thread targets alone.
+STREAM_GRID_SMS = 128
+STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
+#: Per-SM limits of sm_80 through sm_100 (registers, threads, CTAs), and the registers per
+#: thread assumed where a kernel's own count is not known (the 512-thread cap).
+REGISTER_FILE = 65536
+REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
+MAX_THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
+ASSUMED_REGISTERS = 128
 #: Cap on rows one backward thread walks.
 BWD_MAX_ROWS_PER_THREAD = 32
 
@@ -432,28 +453,49 @@ def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None"
 STREAM_BWD_FEW_ROWS_NARROW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS", "4"))
 
 
-def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None") -> bool:
+def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None",
+                            resident: "int | None" = None) -> bool:
     """Whether a backward launch of ``n_rows`` rows runs the few-rows schedule ``few``
     (``few_rows_schedule``; None where the configuration has none) instead of ``sched`` (the
     default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows, or
     ``STREAM_BWD_FEW_ROWS_NARROW_ROWS`` where ``few`` is the narrow-window variant (fewer
-    threads than the default)."""
+    threads than the default). ``resident``: the default kernel's residency."""
     if few is None or sched.family != "stream" or STREAM_BWD_FEW_ROWS <= 0:
         return False
     limit = STREAM_BWD_FEW_ROWS
     if few.threads < sched.threads:
         limit = max(limit, STREAM_BWD_FEW_ROWS_NARROW_ROWS)
-    return bwd_rows_per_thread(n_rows, sched) <= limit
+    return bwd_rows_per_thread(n_rows, sched, resident) <= limit
 
 
-def bwd_rows_per_thread(n_rows: int, sched: Schedule) -> int:
+def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> int:
+    """CTAs of ``threads`` threads at ``registers`` registers each that an SM holds at once
+    (shared memory never binds the stream kernels: <= 144 bytes per thread)."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    return max(1, min(REGISTER_FILE // (per_warp * warps), MAX_THREADS_PER_SM // (warps * 32), MAX_CTAS_PER_SM))
+
+
+def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = None) -> int:
+    """Stream CTAs along the rows (backward: one grad_ape slab each), over the column tiles: on
+    each of STREAM_GRID_SMS SMs the direction's thread target in whole CTAs, rounded up, but no
+    more than fit at once (``resident``, the compiled kernel's residency; None: at
+    ASSUMED_REGISTERS). So the grid is one wave, the same number of CTAs on every SM."""
+    target = STREAM_FWD_TARGET_THREADS if direction == "fwd" else STREAM_BWD_TARGET_THREADS
+    if not STREAM_RESIDENT[direction]:
+        return max(1, target // sched.threads // sched.col_tiles)
+    per_sm = -(-target // (STREAM_GRID_SMS * sched.threads))
+    per_sm = min(per_sm, resident or resident_ctas_per_sm(sched.threads))
+    return max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
+
+
+def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
     """Rows each backward thread walks (window family): the fewest that bring the CTA count down
     to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD. Stream family: rows each CTA walks, one
-    at a time, so that at most STREAM_BWD_TARGET_THREADS threads (and at least one CTA per
-    column tile) remain."""
+    at a time, over ``stream_row_ctas`` CTAs per column tile (``resident``: the compiled
+    kernel's residency)."""
     if sched.family == "stream":
-        row_ctas = max(1, STREAM_BWD_TARGET_THREADS // sched.threads // sched.col_tiles)
-        return max(1, -(-n_rows // row_ctas))
+        return max(1, -(-n_rows // stream_row_ctas(sched, "bwd", resident)))
     rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
     return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
 
@@ -503,10 +545,10 @@ def takes_serial_forward(n_rows: int, head_dim: int, serial: "Schedule | None") 
     return serial is not None and n_rows * head_dim <= SERIAL_FWD_MAX_OUTPUTS
 
 
-def fwd_rows_per_cta(n_rows: int, sched: Schedule) -> int:
-    """Stream forward: rows one CTA walks (the window family takes one row per thread)."""
-    row_ctas = max(1, STREAM_FWD_TARGET_THREADS // sched.threads // sched.col_tiles)
-    return max(1, -(-n_rows // row_ctas))
+def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
+    """Stream forward: rows one CTA walks (the window family takes one row per thread) over
+    ``stream_row_ctas`` CTAs per column tile."""
+    return max(1, -(-n_rows // stream_row_ctas(sched, "fwd", resident)))
 
 
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's

@@ -1,0 +1,56 @@
+"""Register counts read back from cubins (``kernels/cubin.py``): on a hand-built ELF, and on the
+stream kernels compiled for sm_90a, whose grids they size."""
+import struct
+
+import pytest
+
+from csa_frontend.compressor.kernels import cubin
+
+pytestmark = pytest.mark.L0
+
+
+def elf_with_nv_info(entries: bytes) -> bytes:
+    """A minimal little-endian ELF64: a null section, the section-name table and ``.nv.info``."""
+    names = b"\0.shstrtab\0.nv.info\0"
+    header_size, entry_size = 64, 64
+    names_at = header_size
+    info_at = names_at + len(names)
+    sections_at = info_at + len(entries)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    header += struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, sections_at, 0, header_size, 0, 0, entry_size, 3, 1)
+    null = bytes(entry_size)
+    shstrtab = struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, names_at, len(names), 0, 0, 1, 0)
+    nv_info = struct.pack("<IIQQQQIIQQ", 11, 0x70000000, 0, 0, info_at, len(entries), 0, 0, 4, 0)
+    return header + names + entries + null + shstrtab + nv_info
+
+
+def attribute(attr: int, *words: int) -> bytes:
+    return struct.pack("<BBH", 4, attr, 4 * len(words)) + struct.pack(f"<{len(words)}I", *words)
+
+
+def test_register_count_from_nv_info():
+    entries = (struct.pack("<BBH", 1, 0x0A, 0)  # a payload-free attribute is skipped
+               + attribute(0x2F, 7, 96) + attribute(0x11, 7, 0) + attribute(0x2F, 8, 125) + attribute(0x12, 7, 0))
+    assert cubin.registers(elf_with_nv_info(entries)) == 125
+    assert cubin.registers(elf_with_nv_info(attribute(0x11, 7, 0))) is None
+    assert cubin.registers(None) is None and cubin.registers(b"") is None
+    with pytest.raises(ValueError, match="ELF64"):
+        cubin.registers(b"not a cubin at all, just bytes")
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,direction", [(48, 2, 256, "bwd"), (160, 2, 128, "bwd"),
+                                                           (128, 2, 512, "fwd"), (24, 1, 512, "fwd")])
+def test_stream_kernels_report_their_residency(ratio, coff, head_dim, direction, monkeypatch):
+    """The compiled stream kernel's CTAs per SM come from the registers ptxas gave it, as in
+    its cubin (compiled here for sm_90a without a GPU)."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+
+    seen = []
+    real = cubin.registers
+    monkeypatch.setattr(dispatch, "registers", lambda blob: seen.append(real(blob)) or seen[-1])
+    sched = schedule.choose_schedule(ratio, coff, head_dim, direction)
+    build = dispatch._build_forward if direction == "fwd" else dispatch._build_backward
+    per_sm = build(ratio, coff, head_dim, sched, "sm_90a")[-1]
+    assert len(seen) == 1 and 16 <= seen[0] <= 255
+    assert per_sm == schedule.resident_ctas_per_sm(sched.threads, seen[0]) >= 1
