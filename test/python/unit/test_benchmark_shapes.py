@@ -1,5 +1,6 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
-shapes), the tail probe's reduction swap, the rotated copies and the ptxas report parser."""
+shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser and the
+stream-grid A/B's variants."""
 import os
 import sys
 
@@ -55,11 +56,28 @@ def test_tail_probe_skips_only_the_reductions():
     no-ops: the main kernels and schedules must be the dispatcher's own."""
     import probe_ape_tail as probe
 
-    main, sched, few = object(), object(), (object(), object(), object())
-    got = probe.without_reduction(main, object(), sched, few)
-    assert got[0] is main and got[2] is sched and got[1] is probe.no_op
-    assert got[3][0] is few[0] and got[3][2] is few[2] and got[3][1] is probe.no_op
-    assert probe.without_reduction(main, object(), sched, None)[3] is None
+    main, sched, per_sm, few = object(), object(), 2, (object(), object(), object(), 3)
+    got = probe.without_reduction(main, object(), sched, per_sm, few)
+    assert got[0] is main and got[2] is sched and got[3] == per_sm and got[1] is probe.no_op
+    assert got[4][0] is few[0] and got[4][2] is few[2] and got[4][3] == few[3] and got[4][1] is probe.no_op
+    assert probe.without_reduction(main, object(), sched, per_sm, None)[4] is None
+
+
+@pytest.mark.L0
+def test_stream_grid_ab_variants(monkeypatch):
+    """stream_grid_ab.py's variants set the planner's grid sizing, and ``wave`` is the default."""
+    import stream_grid_ab as ab
+    from csa_frontend.compressor.kernels import schedule
+
+    monkeypatch.setattr(schedule, "STREAM_RESIDENT", dict(schedule.STREAM_RESIDENT))
+    monkeypatch.setattr(schedule, "STREAM_GRID_SMS", schedule.STREAM_GRID_SMS)
+    default = (dict(schedule.STREAM_RESIDENT), schedule.STREAM_GRID_SMS)
+    ab.apply_variant("targets")
+    assert schedule.STREAM_RESIDENT == {"fwd": 0, "bwd": 0}
+    ab.apply_variant("sms132")
+    assert schedule.STREAM_RESIDENT == {"fwd": 1, "bwd": 1} and schedule.STREAM_GRID_SMS == 132
+    ab.apply_variant("wave")
+    assert (schedule.STREAM_RESIDENT, schedule.STREAM_GRID_SMS) == default
 
 
 @pytest.mark.L0

@@ -1,0 +1,82 @@
+"""A/B of the stream grids' sizing in one process, on the same compiled kernels.
+
+The grid is a per-call choice of the planner (``schedule.stream_row_ctas``), so its variants
+need no recompiling: each shape's kernels are compiled once and its launches timed under each
+variant in turn, alternating for ``--rounds`` rounds (graph replay, inputs rotated past the L2,
+as ``bench_csa_compressor.py``). Variants: ``targets`` (the thread targets alone, the grid
+before session 23), ``wave`` (one even resident wave, the default) and ``smsN`` (the wave on N
+SMs instead of STREAM_GRID_SMS). Prints one JSON line per shape.
+
+    python benchmark/csa/stream_grid_ab.py --shapes 1x16384x48x2x256,1x65536x100x1x512 \\
+        --variants targets,wave,sms132
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_csa_compressor import (copy_bandwidth, graph_time_us, make_problem, parse_shape,  # noqa: E402
+                                  rotated_copies, traffic_bytes)
+
+from csa_frontend.compressor import kernels  # noqa: E402
+from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
+
+GRID_SMS = schedule.STREAM_GRID_SMS
+
+
+def apply_variant(name: str) -> None:
+    """Set the planner's grid sizing to variant ``name`` (see the module docstring)."""
+    wave = 0 if name == "targets" else 1
+    schedule.STREAM_RESIDENT.update(fwd=wave, bwd=wave)
+    schedule.STREAM_GRID_SMS = int(name[3:]) if name.startswith("sms") else GRID_SMS
+
+
+def launches(ratio, coff, d, cu, comp):
+    kw = dict(ratio=ratio, coff=coff, head_dim=d)
+    return dict(
+        fwd=lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw),
+        bwd=lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"],
+                                        st["gs"], st["gape"], **kw))
+
+
+def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
+    seg, seqlen, ratio, coff, d = shape = parse_shape(item)
+    cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, rotated_copies(shape))
+    res = {"shape": item, "rows": n_rows}
+    fns = launches(ratio, coff, d, cu, comp)
+    for direction in directions:
+        res[f"{direction}_floor_us"] = round(traffic_bytes(n_tok, n_rows, coff, d, direction) / bw * 1e6, 1)
+        entry = dispatch._kernels_for(direction, cu.device, ratio, coff, d)
+        sched, per_sm = (entry[1], entry[2]) if direction == "fwd" else (entry[2], entry[3])
+        res[f"{direction}_schedule"] = f"{sched.family} {sched.threads} threads x {sched.col_tiles} tiles, " \
+                                       f"{per_sm} CTAs per SM"
+        for r in range(rounds):
+            for name in variants:
+                apply_variant(name)
+                res[f"{direction}_{name}_us_{r}"] = round(graph_time_us(fns[direction], sets), 1)
+        apply_variant("wave")
+    sets.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", required=True, help="comma list of SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
+    ap.add_argument("--variants", default="targets,wave", help="targets, wave, smsN")
+    ap.add_argument("--directions", default="fwd,bwd")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    for item in args.shapes.split(","):
+        print(json.dumps(ab_shape(item, args.variants.split(","), args.directions.split(","), args.rounds, bw)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
