@@ -94,8 +94,8 @@ WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_
 #: everywhere, 0 nowhere. Tuning knob, CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES.
 WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES", "4"))
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
-#: each): one resident wave at 2 CTAs of 256 threads per SM on a 132-SM H100/H200. The row CTAs
-#: are fixed first, as for the stream forward. A constant, not the SM count (grad_ape's order).
+#: each): 512 per SM on 128 SMs, rounded to whole CTAs per SM and capped at the resident ones
+#: (``stream_row_ctas``). A constant, not the SM count (grad_ape's order).
 STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS", "65536"))
 #: Both stream grids are also capped at one resident wave: the CTAs that fit at once on
 #: STREAM_GRID_SMS SMs at the compiled kernel's register count (``resident_ctas_per_sm``; read
@@ -501,10 +501,10 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = N
 
 
 #: Stream forward threads we aim for across the grid; each CTA walks rows one at a time. 65536
-#: threads is one resident wave on a 132-SM H100/H200 at 128 registers per thread (256 CTAs of
-#: 256 threads, or 128 of 512). The row CTAs are fixed first (``ctas // col_tiles``), so the
-#: grid never spills a few CTAs into a second wave (1x131072 r128 c2 d512 launched 272 CTAs
-#: at a target of 264).
+#: threads is 512 per SM on 128 SMs (256 CTAs of 256 threads, or 128 of 512), rounded to whole
+#: CTAs per SM and capped at the resident ones (``stream_row_ctas``). The row CTAs are fixed
+#: first (``ctas // col_tiles``), so the grid never spills a few CTAs into a second wave
+#: (1x131072 r128 c2 d512 launched 272 CTAs at a target of 264).
 STREAM_FWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_THREADS", "65536"))
 
 
