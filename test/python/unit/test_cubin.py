@@ -54,3 +54,17 @@ def test_stream_kernels_report_their_residency(ratio, coff, head_dim, direction,
     per_sm = build(ratio, coff, head_dim, sched, "sm_90a")[-1]
     assert len(seen) == 1 and 16 <= seen[0] <= 255
     assert per_sm == schedule.resident_ctas_per_sm(sched.threads, seen[0]) >= 1
+
+
+@pytest.mark.L1
+def test_missing_register_count_falls_back_to_the_assumed_one(monkeypatch, caplog):
+    """A cubin without a count (another DSL version, say) still gives a grid: the 128-register
+    assumption of the thread targets, with a warning that says so."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+
+    monkeypatch.setattr(dispatch, "registers", lambda blob: None)
+    sched = schedule.choose_schedule(48, 2, 256, "bwd")
+    with caplog.at_level("WARNING", logger="csa_frontend"):
+        per_sm = dispatch._build_backward(48, 2, 256, sched, "sm_90a")[-1]
+    assert per_sm == schedule.resident_ctas_per_sm(sched.threads, schedule.ASSUMED_REGISTERS)
+    assert "no register count" in caplog.text

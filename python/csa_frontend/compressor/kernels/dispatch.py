@@ -144,6 +144,9 @@ def _compile_resident(op, *args, arch: Optional[str]):
     with tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_") as cubin_dir:
         fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
         regs = registers(getattr(fn, "__cubin__", None))
+    if regs is None:
+        log.warning("%s: no register count in its cubin; its grid assumes %d registers per thread",
+                    type(op).__name__, ASSUMED_REGISTERS)
     return fn, resident_ctas_per_sm(op.sched.threads, regs or ASSUMED_REGISTERS)
 
 
@@ -244,9 +247,9 @@ def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str
                      deterministic: bool = True):
     """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant:
     (main kernel, slab reduction or None, schedule, CTAs of the main kernel per SM) of the
-    default schedule. The few-rows
-    schedule's kernels (``few_rows_schedule``), where the planner has one, are compiled too, so
-    no row count ever compiles later (``compile_backward_few_rows``)."""
+    default schedule. The few-rows schedule's kernels (``few_rows_schedule``), where the planner
+    has one, are compiled too, so no row count ever compiles later
+    (``compile_backward_few_rows``)."""
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
     kernels = _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
     compile_backward_few_rows(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
