@@ -137,7 +137,8 @@ def kernel_ptx(build, monkeypatch, tmp_path):
     """PTX of every kernel one ``dispatch._build_*`` call compiles (the DSL also writes it to a
     file, hence ``tmp_path``)."""
     options = dispatch._options
-    monkeypatch.setattr(dispatch, "_options", lambda arch: f"{options(arch)} --keep-ptx --dump-dir={tmp_path}")
+    monkeypatch.setattr(dispatch, "_options",
+                        lambda arch, cubin_dir=None: f"{options(arch, cubin_dir)} --keep-ptx --dump-dir={tmp_path}")
     return [str(fn.artifacts.PTX) for fn in build() if fn is not None and hasattr(fn, "artifacts")]
 
 
