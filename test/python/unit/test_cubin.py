@@ -68,3 +68,20 @@ def test_missing_register_count_falls_back_to_the_assumed_one(monkeypatch, caplo
         per_sm = dispatch._build_backward(48, 2, 256, sched, "sm_90a")[-1]
     assert per_sm == schedule.resident_ctas_per_sm(sched.threads, schedule.ASSUMED_REGISTERS)
     assert "no register count" in caplog.text
+
+
+@pytest.mark.L1
+def test_artifact_dumps_stay_where_the_developer_asked(tmp_path):
+    """With CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR set (ptxas and register studies,
+    ``benchmark/csa/window_registers.py``), a stream kernel's PTX lands in that directory, not in
+    the temporary one its cubin is otherwise read from."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from csa_frontend.compressor.kernels import dispatch, schedule as s\n"
+            "print(dispatch._build_backward(48, 2, 256, s.choose_schedule(48, 2, 256, 'bwd'), 'sm_90a')[-1])")
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) >= 1
+    assert list(tmp_path.glob("*StreamBackward*.ptx")) and list(tmp_path.glob("*StreamBackward*.cubin"))

@@ -12,6 +12,7 @@ concurrent first calls compile once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -125,11 +126,13 @@ def _fake_tensors(ratio: int, coff: int, head_dim: int):
 
 
 def _options(arch: Optional[str], cubin_dir: Optional[str] = None) -> str:
+    """Compile options; with ``cubin_dir`` the cubin is kept (written there, or to the DSL's own
+    dump directory where ``cubin_dir`` is empty)."""
     opts = "--enable-tvm-ffi"
     if arch:
         opts += f" --gpu-arch={arch}"
-    if cubin_dir:
-        opts += f" --keep-cubin --dump-dir={cubin_dir}"
+    if cubin_dir is not None:
+        opts += " --keep-cubin" + (f" --dump-dir={cubin_dir}" if cubin_dir else "")
     return opts
 
 
@@ -141,9 +144,15 @@ def _compile_resident(op, *args, arch: Optional[str]):
 
     import cutlass.cute as cute
 
-    with tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_") as cubin_dir:
-        fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
+    if os.environ.get("CUTE_DSL_KEEP"):
+        # a developer dumping artifacts (CUTE_DSL_KEEP, CUTE_DSL_DUMP_DIR): theirs stay where they
+        # asked, the cubin joins them
+        fn = cute.compile(op, *args, options=_options(arch, ""))
         regs = registers(getattr(fn, "__cubin__", None))
+    else:
+        with tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_") as cubin_dir:
+            fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
+            regs = registers(getattr(fn, "__cubin__", None))
     if regs is None:
         log.warning("%s: no register count in its cubin; its grid assumes %d registers per thread",
                     type(op).__name__, ASSUMED_REGISTERS)
