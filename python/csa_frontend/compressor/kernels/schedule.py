@@ -469,8 +469,11 @@ def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None"
 
 
 def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> int:
-    """CTAs of ``threads`` threads at ``registers`` registers each that an SM holds at once
-    (shared memory never binds the stream kernels: <= 144 bytes per thread)."""
+    """CTAs of ``threads`` threads at ``registers`` registers each that an SM holds at once, by
+    registers, threads and the CTA limit. Shared memory is not counted: the stream backward's
+    (144 bytes per thread plus its partials) never binds first, but a stream forward of 224
+    threads at <= 97 registers takes about 79 KB, so it fits 2 CTAs per SM where registers allow
+    3 (likewise some 96- and 128-thread forwards); NOTES row 93."""
     warps = -(-threads // 32)
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     return max(1, min(REGISTER_FILE // (per_warp * warps), MAX_THREADS_PER_SM // (warps * 32), MAX_CTAS_PER_SM))
