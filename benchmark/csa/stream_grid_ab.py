@@ -4,8 +4,9 @@ The grid is a per-call choice of the planner (``schedule.stream_row_ctas``), so 
 need no recompiling: each shape's kernels are compiled once and its launches timed under each
 variant in turn, alternating for ``--rounds`` rounds (graph replay, inputs rotated past the L2,
 as ``bench_csa_compressor.py``). Variants: ``targets`` (the thread targets alone, the grid
-before session 23), ``wave`` (one even resident wave, the default) and ``smsN`` (the wave on N
-SMs instead of STREAM_GRID_SMS). Prints one JSON line per shape.
+before session 23), ``wave`` (one even resident wave, the default), ``shared`` (the wave with
+shared memory counted in the residency, ``CSA_FRONTEND_STREAM_SHARED_RESIDENT``) and ``smsN``
+(the wave on N SMs instead of STREAM_GRID_SMS). Prints one JSON line per shape.
 
     python benchmark/csa/stream_grid_ab.py --shapes 1x16384x48x2x256,1x65536x100x1x512 \\
         --variants targets,wave,sms132
@@ -27,6 +28,7 @@ from csa_frontend.compressor import kernels  # noqa: E402
 from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
 
 GRID_SMS = schedule.STREAM_GRID_SMS
+SHARED = schedule.STREAM_SHARED_RESIDENT
 
 
 def apply_variant(name: str) -> None:
@@ -34,6 +36,7 @@ def apply_variant(name: str) -> None:
     wave = 0 if name == "targets" else 1
     schedule.STREAM_RESIDENT.update(fwd=wave, bwd=wave)
     schedule.STREAM_GRID_SMS = int(name[3:]) if name.startswith("sms") else GRID_SMS
+    schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
 
 
 def launches(ratio, coff, d, cu, comp):
@@ -68,7 +71,7 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", required=True, help="comma list of SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
-    ap.add_argument("--variants", default="targets,wave", help="targets, wave, smsN")
+    ap.add_argument("--variants", default="targets,wave", help="targets, wave, shared, smsN")
     ap.add_argument("--directions", default="fwd,bwd")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()

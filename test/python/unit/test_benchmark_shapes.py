@@ -71,13 +71,17 @@ def test_stream_grid_ab_variants(monkeypatch):
 
     monkeypatch.setattr(schedule, "STREAM_RESIDENT", dict(schedule.STREAM_RESIDENT))
     monkeypatch.setattr(schedule, "STREAM_GRID_SMS", schedule.STREAM_GRID_SMS)
+    monkeypatch.setattr(schedule, "STREAM_SHARED_RESIDENT", schedule.STREAM_SHARED_RESIDENT)
     default = (dict(schedule.STREAM_RESIDENT), schedule.STREAM_GRID_SMS)
+    ab.apply_variant("shared")
+    assert schedule.STREAM_SHARED_RESIDENT is True and schedule.STREAM_RESIDENT == {"fwd": 1, "bwd": 1}
     ab.apply_variant("targets")
     assert schedule.STREAM_RESIDENT == {"fwd": 0, "bwd": 0}
     ab.apply_variant("sms132")
     assert schedule.STREAM_RESIDENT == {"fwd": 1, "bwd": 1} and schedule.STREAM_GRID_SMS == 132
     ab.apply_variant("wave")
     assert (schedule.STREAM_RESIDENT, schedule.STREAM_GRID_SMS) == default
+    assert schedule.STREAM_SHARED_RESIDENT is ab.SHARED
 
 
 @pytest.mark.L0

@@ -1,5 +1,6 @@
-"""Register counts read back from cubins (``kernels/cubin.py``): on a hand-built ELF, and on the
-stream kernels compiled for sm_90a, whose grids they size."""
+"""Facts of the compiled stream kernels that size their grids: register counts read back from
+cubins (``kernels/cubin.py``, on a hand-built ELF and on kernels compiled for sm_90a) and the
+planner's shared-memory figure against the compiled launch."""
 import struct
 
 import pytest
@@ -85,3 +86,22 @@ def test_artifact_dumps_stay_where_the_developer_asked(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) >= 1
     assert list(tmp_path.glob("*StreamBackward*.ptx")) and list(tmp_path.glob("*StreamBackward*.cubin"))
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,direction", [
+    (100, 1, 512, "fwd"), (25, 2, 128, "fwd"), (128, 2, 512, "fwd"), (200, 2, 65, "fwd"),
+    (48, 2, 256, "bwd"), (128, 2, 512, "bwd"), (16, 2, 256, "bwd"), (33, 1, 66, "bwd"), (200, 2, 65, "bwd")])
+def test_planned_shared_memory_is_the_compiled_launchs(ratio, coff, head_dim, direction):
+    """``schedule.stream_shared_bytes`` (what the residency may count) is the dynamic shared
+    memory the compiled host code launches the kernel with: a constant of its IR (staged and
+    unstaged, 224- to 512-thread CTAs, the backward's once-per-CTA combine)."""
+    import re
+
+    from csa_frontend.compressor.kernels import dispatch, schedule
+
+    sched = schedule.choose_schedule(ratio, coff, head_dim, direction)
+    build = dispatch._build_forward if direction == "fwd" else dispatch._build_backward
+    ir = str(build(ratio, coff, head_dim, sched, "sm_90a")[0].ir_module)
+    constants = {int(v) for v in re.findall(r"llvm\.mlir\.constant\((\d+) : i(?:32|64)\)", ir)}
+    assert schedule.stream_shared_bytes(sched, direction) in constants

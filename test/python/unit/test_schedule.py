@@ -164,6 +164,21 @@ def test_stream_grid_is_one_even_wave(direction, ratio, coff, head_dim, register
         assert per_cta == max(1, -(-n_rows // row_ctas))
 
 
+def test_shared_memory_caps_the_residency_when_counted(monkeypatch):
+    """CSA_FRONTEND_STREAM_SHARED_RESIDENT: a 224-thread forward of about 79 KB fits 2 CTAs per SM
+    though its registers allow 3; off (the default), the registers alone decide."""
+    s = sch.choose_schedule(25, 2, 128, "fwd")
+    assert s.threads == 224 and sch.stream_shared_bytes(s, "fwd") == 78848
+    assert sch.stream_row_ctas(s, "fwd", 3) == sch.STREAM_GRID_SMS * 3 // s.col_tiles
+    monkeypatch.setattr(sch, "STREAM_SHARED_RESIDENT", True)
+    assert sch.stream_row_ctas(s, "fwd", 3) == sch.STREAM_GRID_SMS * 2 // s.col_tiles
+    for ratio, coff, head_dim in [(128, 2, 512), (16, 2, 256), (64, 1, 512), (128, 1, 128)]:  # SPEC rows
+        for direction in ("fwd", "bwd"):
+            t = sch.choose_schedule(ratio, coff, head_dim, direction)
+            fits = sch.SM_SHARED_MEMORY // (sch.stream_shared_bytes(t, direction) + sch.CTA_SHARED_OVERHEAD)
+            assert fits >= sch.resident_ctas_per_sm(t.threads, 96)  # shared memory never binds them
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_stream_resident_knob_off_keeps_the_thread_target(monkeypatch, direction):
     s = sch.choose_schedule(48, 2, 256, direction)

@@ -111,6 +111,14 @@ STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS"
 #: thread targets alone.
 STREAM_GRID_SMS = 128
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
+#: The residency also counted in shared memory (``stream_shared_bytes``). Off by default until
+#: measured: it binds before the registers for the 224-thread forwards (about 79 KB per CTA, 2
+#: per SM where registers allow 3), whose one-wave grids are therefore 1.45 waves (NOTES row 93).
+#: Tuning knob (A/B), CSA_FRONTEND_STREAM_SHARED_RESIDENT=1.
+STREAM_SHARED_RESIDENT = os.environ.get("CSA_FRONTEND_STREAM_SHARED_RESIDENT", "0") == "1"
+#: Shared memory an SM gives a CTA beyond its dynamic allocation: the hardware's 1 KB per CTA
+#: and the kernel's 1 KB static segment (``.nv.shared`` in the cubin).
+CTA_SHARED_OVERHEAD = 2 * 1024
 #: Per-SM limits of sm_80 through sm_100 (registers, threads, CTAs), and the registers per
 #: thread assumed where a kernel's own count is not known (the 512-thread cap).
 REGISTER_FILE = 65536
@@ -489,7 +497,30 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
         return max(1, target // sched.threads // sched.col_tiles)
     per_sm = -(-target // (STREAM_GRID_SMS * sched.threads))
     per_sm = min(per_sm, resident or resident_ctas_per_sm(sched.threads))
+    if STREAM_SHARED_RESIDENT:
+        per_sm = min(per_sm, max(1, SM_SHARED_MEMORY // (stream_shared_bytes(sched, direction) + CTA_SHARED_OVERHEAD)))
     return max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def stream_shared_bytes(sched: Schedule, direction: str) -> int:
+    """Dynamic shared memory of the stream kernel of ``sched`` (with the default staging), as its
+    allocations lay it out, each 16-byte aligned: the staging ring (2 stages x the chunk's kv and
+    score rows, + a grad_out row backward, x threads x ``vec`` bf16; none at vec 1) and the warp
+    partials: forward (max, d, a) x 2 row parities x warp groups x the tile's columns, backward
+    (max, den, T) x groups x columns plus the combined row where one warp combines."""
+    vec, cols, groups = sched.vec, sched.col_threads * sched.vec, warp_groups(sched)
+    rows = 2 * sched.chunk + (0 if direction == "fwd" else 1)
+    total = _aligned(2 * rows * sched.threads * vec * 2) if vec >= 2 else 0
+    if direction == "fwd":
+        return total + 3 * _aligned(2 * groups * cols * 4)
+    total += 3 * _aligned(groups * cols * 4)
+    if combines_once_per_cta(sched):
+        total += _aligned(3 * cols * 4)
+    return total
 
 
 def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
