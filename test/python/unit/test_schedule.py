@@ -313,6 +313,22 @@ def test_few_rows_bucket_boundary(ratio, coff, head_dim):
     assert not sch.takes_few_rows_schedule(1, s, None)  # a configuration without a few-rows schedule
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (64, 1, 512), (48, 2, 256), (4, 2, 128)])
+def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
+    """``dispatch.backward_for_rows``, the launch's one choice of kernels and rows per CTA: the
+    few-rows kernels exactly where ``takes_few_rows_schedule`` says so, with their own rows."""
+    from csa_frontend.compressor.kernels import dispatch
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    few_sched = sch.few_rows_schedule(ratio, coff, head_dim)
+    few = None if few_sched is None else ("few main", "few reduce", few_sched, 2)
+    for n_rows in (0, 1, 63, 64, 65, 128, 129, 256, 257, 1000, 10 ** 6):
+        main, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, "main", "reduce", s, 1, few)
+        if sch.takes_few_rows_schedule(n_rows, s, few_sched, 1):
+            assert (main, reduce, sched, rpt) == few[:3] + (sch.bwd_rows_per_thread(n_rows, few_sched, 2),)
+        else:
+            assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1))
+
+
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [
     (128, 2, 512, True), (128, 1, 128, True), (64, 1, 512, True), (256, 2, 192, True),  # 16+ warp groups
     (16, 2, 256, False), (32, 1, 64, False)])  # 256-thread CTAs of 8 or fewer groups

@@ -33,11 +33,11 @@ from .schedule import (
     bwd_row_groups,
     bwd_rows_per_thread,
     choose_schedule,
+    few_rows_limit,
     few_rows_schedule,
     fwd_rows_per_cta,
     resident_ctas_per_sm,
     serial_forward_schedule,
-    takes_few_rows_schedule,
     takes_serial_forward,
     zero_fill_ctas,
 )
@@ -140,19 +140,18 @@ def _compile_resident(op, *args, arch: Optional[str]):
     """(compiled ``op``, CTAs of it an SM holds at once), the latter from the registers in its
     cubin (``ASSUMED_REGISTERS`` where the cubin has no count). The stream kernels size their
     grids by it (``schedule.stream_row_ctas``)."""
+    import contextlib
     import tempfile
 
     import cutlass.cute as cute
 
-    if os.environ.get("CUTE_DSL_KEEP"):
-        # a developer dumping artifacts (CUTE_DSL_KEEP, CUTE_DSL_DUMP_DIR): theirs stay where they
-        # asked, the cubin joins them
-        fn = cute.compile(op, *args, options=_options(arch, ""))
+    # a developer dumping artifacts (CUTE_DSL_KEEP, CUTE_DSL_DUMP_DIR): theirs stay where they
+    # asked ("": the DSL's dump directory), the cubin joins them
+    where = (contextlib.nullcontext("") if os.environ.get("CUTE_DSL_KEEP")
+             else tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_"))
+    with where as cubin_dir:
+        fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
         regs = registers(getattr(fn, "__cubin__", None))
-    else:
-        with tempfile.TemporaryDirectory(prefix="csa_frontend_cubin_") as cubin_dir:
-            fn = cute.compile(op, *args, options=_options(arch, cubin_dir))
-            regs = registers(getattr(fn, "__cubin__", None))
     if regs is None:
         log.warning("%s: no register count in its cubin; its grid assumes %d registers per thread",
                     type(op).__name__, ASSUMED_REGISTERS)
@@ -391,12 +390,22 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
         _launch_forward(*args)
 
 
+def backward_for_rows(n_rows, main, reduce, sched, per_sm, few):
+    """(main kernel, slab reduction, schedule, rows per thread or CTA) a backward launch of
+    ``n_rows`` rows runs: the default kernels of ``_kernels_for``, or the few-rows ones ``few``
+    where the default's CTAs would walk few rows (``schedule.takes_few_rows_schedule``; the
+    default's rows per CTA are computed once and kept where it stays)."""
+    rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
+    if few is not None and rpt <= few_rows_limit(sched, few[2]):
+        main, reduce, sched, per_sm = few
+        rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
+    return main, reduce, sched, rpt
+
+
 def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
-    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2], per_sm):
-        main, reduce, sched, per_sm = few
-    rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
+    main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, few)
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)

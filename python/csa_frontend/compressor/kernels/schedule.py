@@ -468,12 +468,18 @@ def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None"
     default): its CTAs would walk at most ``STREAM_BWD_FEW_ROWS`` rows, or
     ``STREAM_BWD_FEW_ROWS_NARROW_ROWS`` where ``few`` is the narrow-window variant (fewer
     threads than the default). ``resident``: the default kernel's residency."""
+    limit = few_rows_limit(sched, few)
+    return limit > 0 and bwd_rows_per_thread(n_rows, sched, resident) <= limit
+
+
+def few_rows_limit(sched: Schedule, few: "Schedule | None") -> int:
+    """Rows per CTA of ``sched`` (the default) up to which a launch takes the few-rows schedule
+    ``few`` (``takes_few_rows_schedule``), or 0 where it never does."""
     if few is None or sched.family != "stream" or STREAM_BWD_FEW_ROWS <= 0:
-        return False
-    limit = STREAM_BWD_FEW_ROWS
+        return 0
     if few.threads < sched.threads:
-        limit = max(limit, STREAM_BWD_FEW_ROWS_NARROW_ROWS)
-    return bwd_rows_per_thread(n_rows, sched, resident) <= limit
+        return max(STREAM_BWD_FEW_ROWS, STREAM_BWD_FEW_ROWS_NARROW_ROWS)
+    return STREAM_BWD_FEW_ROWS
 
 
 def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> int:
