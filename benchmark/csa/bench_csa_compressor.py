@@ -194,22 +194,26 @@ def rotated_copies(shape):
     return max(1, min(8, -(-3 * L2_BYTES // traffic_bytes(n_tok, n_tok // ratio, coff, d, "bwd"))))
 
 
+def fused_call(direction, cu, comp, ratio, coff, d, deterministic=True):
+    """``fn(st)``: one fused launch of ``direction`` on the input set ``st`` (``make_problem``)."""
+    kw = dict(ratio=ratio, coff=coff, head_dim=d)
+    if direction == "fwd":
+        return lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw)
+    return lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"],
+                                       st["gs"], st["gape"], deterministic=deterministic, **kw)
+
+
 def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
     seg, seqlen, ratio, coff, d = shape
     copies = rotated_copies(shape)
     cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
     res = {"shape": shape_name(shape), "tokens": n_tok, "rows": n_rows}
-    kw = dict(ratio=ratio, coff=coff, head_dim=d)
     reason = kernels.unsupported_reason(ratio, coff, d, "sm_90a")
     for direction in directions:
         nbytes = traffic_bytes(n_tok, n_rows, coff, d, direction)
         res[f"{direction}_floor_us"] = nbytes / bw * 1e6
         if reason is None and "fused" in providers:
-            if direction == "fwd":
-                fn = lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw)
-            else:
-                fn = lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"],
-                                                 st["gkv"], st["gs"], st["gape"], **kw)
+            fn = fused_call(direction, cu, comp, ratio, coff, d)
             t = graph_time_us(fn, sets)
             res[f"{direction}_fused_us"] = t
             res[f"{direction}_fused_pct_floor"] = 100 * res[f"{direction}_floor_us"] / t

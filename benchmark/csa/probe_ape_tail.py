@@ -14,11 +14,9 @@ from unittest import mock
 
 import torch
 
-from bench_csa_compressor import graph_time_us, make_problem, parse_shape, rotated_copies, shape_name
-from csa_frontend.compressor import kernels
+from bench_csa_compressor import fused_call, graph_time_us, make_problem, parse_shape, rotated_copies, shape_name
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import (ape_split, bwd_row_groups, bwd_rows_per_thread,
-                                                      takes_few_rows_schedule)
+from csa_frontend.compressor.kernels.schedule import ape_split, bwd_row_groups
 
 
 def no_op(*_):
@@ -34,21 +32,15 @@ def probe(shape):
     seg, seqlen, ratio, coff, d = shape
     copies = rotated_copies(shape)
     cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, copies)
-    kw = dict(ratio=ratio, coff=coff, head_dim=d)
-
-    def backward(st, deterministic=True):
-        kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"], st["gs"],
-                         st["gape"], deterministic=deterministic, **kw)
+    backward = fused_call("bwd", cu, comp, ratio, coff, d)
 
     full = graph_time_us(backward, sets)
-    atomic = graph_time_us(lambda st: backward(st, False), sets)
+    atomic = graph_time_us(fused_call("bwd", cu, comp, ratio, coff, d, deterministic=False), sets)
     entries = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, d)
     with mock.patch.object(dispatch, "_kernels_for", lambda *_: without_reduction(*entries)):
         main_only = graph_time_us(backward, sets)
-    _, reduce, sched, per_sm, few = entries
-    if few is not None and takes_few_rows_schedule(n_rows, sched, few[2], per_sm):
-        _, reduce, sched, per_sm = few
-    groups = bwd_row_groups(n_rows, sched, bwd_rows_per_thread(n_rows, sched, per_sm))
+    _, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, *entries)
+    groups = bwd_row_groups(n_rows, sched, rpt)
     n_ape = ratio * coff * d
     slabs = [(torch.randn(groups, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(copies)]
     split = ape_split(groups)

@@ -21,10 +21,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_csa_compressor import (copy_bandwidth, graph_time_us, make_problem, parse_shape,  # noqa: E402
-                                  rotated_copies, traffic_bytes)
+from bench_csa_compressor import (copy_bandwidth, fused_call, graph_time_us, make_problem,  # noqa: E402
+                                  parse_shape, rotated_copies, traffic_bytes)
 
-from csa_frontend.compressor import kernels  # noqa: E402
 from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
 
 GRID_SMS = schedule.STREAM_GRID_SMS
@@ -39,20 +38,12 @@ def apply_variant(name: str) -> None:
     schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
 
 
-def launches(ratio, coff, d, cu, comp):
-    kw = dict(ratio=ratio, coff=coff, head_dim=d)
-    return dict(
-        fwd=lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw),
-        bwd=lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"],
-                                        st["gs"], st["gape"], **kw))
-
-
 def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
     seg, seqlen, ratio, coff, d = shape = parse_shape(item)
     cu, comp, n_tok, n_rows, sets = make_problem(seg, seqlen, ratio, coff, d, rotated_copies(shape))
     res = {"shape": item, "rows": n_rows}
-    fns = launches(ratio, coff, d, cu, comp)
     for direction in directions:
+        fn = fused_call(direction, cu, comp, ratio, coff, d)
         res[f"{direction}_floor_us"] = round(traffic_bytes(n_tok, n_rows, coff, d, direction) / bw * 1e6, 1)
         entry = dispatch._kernels_for(direction, cu.device, ratio, coff, d)
         sched, per_sm = (entry[1], entry[2]) if direction == "fwd" else (entry[2], entry[3])
@@ -61,7 +52,7 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
         for r in range(rounds):
             for name in variants:
                 apply_variant(name)
-                res[f"{direction}_{name}_us_{r}"] = round(graph_time_us(fns[direction], sets), 1)
+                res[f"{direction}_{name}_us_{r}"] = round(graph_time_us(fn, sets), 1)
         apply_variant("wave")
     sets.clear()
     torch.cuda.empty_cache()
