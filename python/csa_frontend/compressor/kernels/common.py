@@ -7,6 +7,8 @@ is never contracted, so the products whose rounding the numerics contract fixes 
 """
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -68,6 +70,31 @@ def exp2_half_squared(a_half, *, loc=None, ip=None) -> Float32:
     """
     h = exp2_ftz(a_half, loc=loc, ip=ip)
     return mul_rn(h, h, loc=loc, ip=ip)
+
+
+#: The exact weights' reciprocal ``1 / den`` as the branch-free fast path of ``div.rn``
+#: (``rcp_of_den``) or as ``div.rn`` itself ("ieee": a range test and a slow-path call around
+#: every reciprocal). Diagnostic knob for A/B runs, CSA_FRONTEND_EXACT_RCP=ieee.
+EXACT_RCP_INLINE = os.environ.get("CSA_FRONTEND_EXACT_RCP", "inline") != "ieee"
+
+
+@dsl_user_op
+def rcp_of_den(den, *, loc=None, ip=None) -> Float32:
+    """``1 / den`` correctly rounded, for a softmax denominator: ``den`` in [1, window] or NaN.
+
+    ``div.rn.f32`` compiles to a test of the divisor's exponent around two paths: ``rcp.approx``
+    refined by one Newton step (FMA) where the exponent is in range, a slow-path call
+    otherwise (subnormals, huge values, Inf, NaN). A denominator is never out of range but
+    for NaN (which both paths return), so this is that fast path alone, the same three
+    instructions and bits (the GPU tests check every fp32 value in [1, 512]) without the
+    branch, which had fenced each column's arithmetic off from its neighbours' in the
+    scheduler. ``EXACT_RCP_INLINE`` off: plain ``div.rn``.
+    """
+    if not EXACT_RCP_INLINE:
+        return Float32(1.0) / Float32(den)
+    r = _ptx_f32("rcp.approx.ftz.f32", (den,), loc, ip)
+    e = _ptx_f32("fma.rn.f32", (-Float32(den), r, Float32(1.0)), loc, ip)
+    return _ptx_f32("fma.rn.f32", (r, e, r), loc, ip)
 
 
 @cute.jit
@@ -515,7 +542,7 @@ def weights_and_products(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr,
                          den: Float32, g: Float32) -> Float32:
     """Backward, column ``v`` of ``n`` positions: ``rS`` (exp) becomes ``p = e / den`` (correctly
     rounded), ``rX`` (kv) becomes ``p * (g * kv)``; returns their left-to-right sum."""
-    rcp = Float32(1.0) / den
+    rcp = rcp_of_den(den)
     total = Float32(0.0)
     for i in cutlass.range_constexpr(n):
         p = div_exact(rS[i, v], den, rcp)

@@ -111,9 +111,10 @@ STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS"
 #: thread targets alone.
 STREAM_GRID_SMS = 128
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
-#: The residency also counted in shared memory (``stream_shared_bytes``). Off by default until
-#: measured: it binds before the registers for the 224-thread forwards (about 79 KB per CTA, 2
-#: per SM where registers allow 3), whose one-wave grids are therefore 1.45 waves (NOTES row 93).
+#: The residency also counted in shared memory (``stream_shared_bytes``). Off: it binds before
+#: the registers only for some forwards (about 79 KB per CTA, e.g. 224-thread r25 c2 d128, 2 per
+#: SM), and on the H200 it changed no grid of the 8 forwards measured, the short ones slowed by
+#: the one-wave grid included (their 224-thread CTAs take 62-68 KB, 3 fit; NOTES rows 93-94).
 #: Tuning knob (A/B), CSA_FRONTEND_STREAM_SHARED_RESIDENT=1.
 STREAM_SHARED_RESIDENT = os.environ.get("CSA_FRONTEND_STREAM_SHARED_RESIDENT", "0") == "1"
 #: Shared memory an SM gives a CTA beyond its dynamic allocation: the hardware's 1 KB per CTA
@@ -485,9 +486,9 @@ def few_rows_limit(sched: Schedule, few: "Schedule | None") -> int:
 def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> int:
     """CTAs of ``threads`` threads at ``registers`` registers each that an SM holds at once, by
     registers, threads and the CTA limit. Shared memory is not counted: the stream backward's
-    (144 bytes per thread plus its partials) never binds first, but a stream forward of 224
-    threads at <= 97 registers takes about 79 KB, so it fits 2 CTAs per SM where registers allow
-    3 (likewise some 96- and 128-thread forwards); NOTES row 93."""
+    (144 bytes per thread plus its partials) never binds first, but some stream forwards take
+    about 79 KB (e.g. 224 threads at r25 c2 d128), 2 CTAs per SM where <= 97 registers would
+    allow 3 (likewise some 96- and 128-thread forwards); NOTES rows 93-94."""
     warps = -(-threads // 32)
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     return max(1, min(REGISTER_FILE // (per_warp * warps), MAX_THREADS_PER_SM // (warps * 32), MAX_CTAS_PER_SM))

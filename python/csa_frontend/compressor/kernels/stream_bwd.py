@@ -25,7 +25,7 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
-                     div_exact, enter_grid, row_span, safe_max, stage_buffers, stage_slots, store_partial,
+                     div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots, store_partial,
                      zero_fill_cta, zero_tokens)
 from .schedule import STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
@@ -232,7 +232,7 @@ class StreamBackward(BackwardKernel):
                             rcp = cute.arch.rcp_approx(den)
                             ssum = rT[v] * rcp
                         else:
-                            rcp = Float32(1.0) / den
+                            rcp = rcp_of_den(den)
                             ssum = rT[v] / den
                         for i in cutlass.range_constexpr(chunk):
                             p = Float32(0.0)
