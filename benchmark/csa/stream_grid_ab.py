@@ -5,8 +5,10 @@ need no recompiling: each shape's kernels are compiled once and its launches tim
 variant in turn, alternating for ``--rounds`` rounds (graph replay, inputs rotated past the L2,
 as ``bench_csa_compressor.py``). Variants: ``targets`` (the thread targets alone, the grid
 before session 23), ``wave`` (one even resident wave, the default), ``shared`` (the wave with
-shared memory counted in the residency, ``CSA_FRONTEND_STREAM_SHARED_RESIDENT``) and ``smsN``
-(the wave on N SMs instead of STREAM_GRID_SMS). Prints one JSON line per shape.
+shared memory counted in the residency, ``CSA_FRONTEND_STREAM_SHARED_RESIDENT``), ``smsN``
+(the wave on N SMs instead of STREAM_GRID_SMS) and ``rpc+K`` / ``rpc-K`` (forward only: the
+wave's rows per CTA plus or minus K, at least 1: the curve a forward grid rule is fitted to).
+Prints one JSON line per shape, with each forward variant's rows per CTA and grid.
 
     python benchmark/csa/stream_grid_ab.py --shapes 1x16384x48x2x256,1x65536x100x1x512 \\
         --variants targets,wave,sms132
@@ -28,6 +30,7 @@ from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
 
 GRID_SMS = schedule.STREAM_GRID_SMS
 SHARED = schedule.STREAM_SHARED_RESIDENT
+FWD_ROWS_PER_CTA = dispatch.fwd_rows_per_cta
 
 
 def apply_variant(name: str) -> None:
@@ -36,6 +39,9 @@ def apply_variant(name: str) -> None:
     schedule.STREAM_RESIDENT.update(fwd=wave, bwd=wave)
     schedule.STREAM_GRID_SMS = int(name[3:]) if name.startswith("sms") else GRID_SMS
     schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
+    offset = int(name[3:]) if name.startswith("rpc") else 0
+    dispatch.fwd_rows_per_cta = (FWD_ROWS_PER_CTA if not offset else
+                                 lambda rows, sched, per_sm: max(1, FWD_ROWS_PER_CTA(rows, sched, per_sm) + offset))
 
 
 def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
@@ -49,6 +55,10 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
         sched, per_sm = (entry[1], entry[2]) if direction == "fwd" else (entry[2], entry[3])
         res[f"{direction}_schedule"] = f"{sched.family} {sched.threads} threads x {sched.col_tiles} tiles, " \
                                        f"{per_sm} CTAs per SM"
+        for name in variants if direction == "fwd" and sched.family == "stream" else ():
+            apply_variant(name)
+            rpc = dispatch.fwd_rows_per_cta(n_rows, sched, per_sm)
+            res[f"fwd_{name}_grid"] = f"{rpc} rows x {-(-n_rows // rpc) * sched.col_tiles} CTAs"
         for r in range(rounds):
             for name in variants:
                 apply_variant(name)
@@ -62,7 +72,7 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", required=True, help="comma list of SEGxSEQLENxRATIOxCOFFxHEAD_DIM")
-    ap.add_argument("--variants", default="targets,wave", help="targets, wave, shared, smsN")
+    ap.add_argument("--variants", default="targets,wave", help="targets, wave, shared, smsN, rpc+K, rpc-K")
     ap.add_argument("--directions", default="fwd,bwd")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
