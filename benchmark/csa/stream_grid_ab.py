@@ -6,7 +6,8 @@ variant in turn, alternating for ``--rounds`` rounds (graph replay, inputs rotat
 as ``bench_csa_compressor.py``). Variants: ``targets`` (the thread targets alone, the grid
 before session 23), ``wave`` (one even resident wave, the default), ``shared`` (the wave with
 shared memory counted in the residency, ``CSA_FRONTEND_STREAM_SHARED_RESIDENT``), ``smsN``
-(the wave on N SMs instead of STREAM_GRID_SMS) and ``rpc+K`` / ``rpc-K`` (forward only: the
+(the wave on N SMs instead of STREAM_GRID_SMS, the backward's, and the device's, the
+forward's; ``sms128`` is the forward before session 24) and ``rpc+K`` / ``rpc-K`` (forward only: the
 wave's rows per CTA plus or minus K, at least 1: the curve a forward grid rule is fitted to).
 Prints one JSON line per shape, with each forward variant's rows per CTA and grid.
 
@@ -30,6 +31,7 @@ from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
 
 GRID_SMS = schedule.STREAM_GRID_SMS
 SHARED = schedule.STREAM_SHARED_RESIDENT
+FWD_GRID_SMS = schedule.STREAM_FWD_GRID_SMS
 FWD_ROWS_PER_CTA = dispatch.fwd_rows_per_cta
 
 
@@ -38,10 +40,12 @@ def apply_variant(name: str) -> None:
     wave = 0 if name == "targets" else 1
     schedule.STREAM_RESIDENT.update(fwd=wave, bwd=wave)
     schedule.STREAM_GRID_SMS = int(name[3:]) if name.startswith("sms") else GRID_SMS
+    schedule.STREAM_FWD_GRID_SMS = int(name[3:]) if name.startswith("sms") else FWD_GRID_SMS
     schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
     offset = int(name[3:]) if name.startswith("rpc") else 0
     dispatch.fwd_rows_per_cta = (FWD_ROWS_PER_CTA if not offset else
-                                 lambda rows, sched, per_sm: max(1, FWD_ROWS_PER_CTA(rows, sched, per_sm) + offset))
+                                 lambda rows, sched, per_sm, sms=None: max(1, FWD_ROWS_PER_CTA(rows, sched, per_sm, sms)
+                                                                           + offset))
 
 
 def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
@@ -53,11 +57,12 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
         res[f"{direction}_floor_us"] = round(traffic_bytes(n_tok, n_rows, coff, d, direction) / bw * 1e6, 1)
         entry = dispatch._kernels_for(direction, cu.device, ratio, coff, d)
         sched, per_sm = (entry[1], entry[2]) if direction == "fwd" else (entry[2], entry[3])
+        sms = entry[5] if direction == "fwd" else None
         res[f"{direction}_schedule"] = f"{sched.family} {sched.threads} threads x {sched.col_tiles} tiles, " \
                                        f"{per_sm} CTAs per SM"
         for name in variants if direction == "fwd" and sched.family == "stream" else ():
             apply_variant(name)
-            rpc = dispatch.fwd_rows_per_cta(n_rows, sched, per_sm)
+            rpc = dispatch.fwd_rows_per_cta(n_rows, sched, per_sm, sms)
             res[f"fwd_{name}_grid"] = f"{rpc} rows x {-(-n_rows // rpc) * sched.col_tiles} CTAs"
         for r in range(rounds):
             for name in variants:

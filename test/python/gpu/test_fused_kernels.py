@@ -523,7 +523,8 @@ def few_ctas(monkeypatch):
     """Aim every launch at one CTA per column tile, so each thread (window backward) or CTA
     (stream family) walks many rows: the next row's window is staged while this one is
     pooled, across empty and short segments, tails and padding rows."""
-    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS", "STREAM_GRID_SMS"):
+    for name in ("BWD_TARGET_CTAS", "STREAM_BWD_TARGET_THREADS", "STREAM_FWD_TARGET_THREADS", "STREAM_GRID_SMS",
+                 "STREAM_FWD_GRID_SMS"):
         monkeypatch.setattr(schedule, name, 1)
 
 
@@ -551,6 +552,26 @@ def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
 def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(100, 2, 128), (200, 1, 192), (17, 1, 256)])
+def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff, head_dim):
+    """The stream forward lays its wave over the device's SMs (``fwd_rows_per_cta``), which is
+    sound only because no output element's arithmetic depends on the grid: the same bits on 1,
+    7 and 128 SMs' worth of CTAs and on the device's own count."""
+    cu, comp = offsets([37 * ratio + 5, 0, ratio - 1, ratio, 90 * ratio + 1], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
+    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+    rows = int(comp[-1])
+    assert rows * head_dim > schedule.SERIAL_FWD_MAX_OUTPUTS  # not the serial forward
+    outs = []
+    for sms in (0, 1, 7, 128):
+        monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", sms)
+        outs.append(run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows))
+    assert not torch.isnan(outs[0].float()).any()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----

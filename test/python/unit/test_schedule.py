@@ -164,6 +164,28 @@ def test_stream_grid_is_one_even_wave(direction, ratio, coff, head_dim, register
         assert per_cta == max(1, -(-n_rows // row_ctas))
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(100, 2, 128), (200, 1, 192), (17, 1, 256), (24, 1, 512),
+                                                (128, 2, 512), (16, 2, 256), (64, 1, 512), (128, 1, 128)])
+@pytest.mark.parametrize("device_sms", [78, 128, 132, 148])
+def test_stream_forward_wave_counts_the_device_sms(monkeypatch, ratio, coff, head_dim, device_sms):
+    """The stream forward's wave is laid over the launching device's SMs (its bits do not depend
+    on the grid); the backward's stays on STREAM_GRID_SMS (grad_ape's order). The launch never
+    exceeds the resident CTAs of those SMs, and STREAM_FWD_GRID_SMS overrides the device."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    resident = sch.resident_ctas_per_sm(s.threads, 96)
+    per_sm = min(resident, -(-sch.STREAM_FWD_TARGET_THREADS // (sch.STREAM_GRID_SMS * s.threads)))
+    row_ctas = max(1, device_sms * per_sm // s.col_tiles)
+    for n_rows in (1, 160, 327, 606, 4096, 10 ** 6 + 7):
+        rpc = sch.fwd_rows_per_cta(n_rows, s, resident, device_sms)
+        assert rpc == max(1, -(-n_rows // row_ctas))
+        assert -(-n_rows // rpc) * s.col_tiles <= max(device_sms * per_sm, s.col_tiles)
+        assert sch.fwd_rows_per_cta(n_rows, s, resident) == max(1, -(-n_rows // sch.stream_row_ctas(s, "fwd", resident)))
+    monkeypatch.setattr(sch, "STREAM_FWD_GRID_SMS", 128)
+    assert sch.fwd_rows_per_cta(10 ** 6, s, resident, device_sms) == sch.fwd_rows_per_cta(10 ** 6, s, resident, 128)
+    b = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sch.bwd_rows_per_thread(10 ** 6, b, resident) == max(1, -(-10 ** 6 // sch.stream_row_ctas(b, "bwd", resident)))
+
+
 def test_shared_memory_caps_the_residency_when_counted(monkeypatch):
     """CSA_FRONTEND_STREAM_SHARED_RESIDENT: a 224-thread forward of about 79 KB fits 2 CTAs per SM
     though its registers allow 3; off (the default), the registers alone decide."""
@@ -237,7 +259,10 @@ def test_zero_fill_covers_every_segment(n_segments):
 
 
 def test_planner_never_sees_the_sm_count():
-    for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.fwd_rows_per_cta, sch.ape_split,
+    """Nothing that sets the backward's split of rows (grad_ape's summation order) takes an SM
+    count; only the forward's row split does (``fwd_rows_per_cta``: no output of the forward
+    depends on it, which a GPU test checks bitwise)."""
+    for fn in (sch.choose_schedule, sch.bwd_rows_per_thread, sch.bwd_row_groups, sch.ape_split,
                sch.zero_fill_ctas, sch.bwd_interleaved):
         assert not any("sm" in p.lower() for p in inspect.signature(fn).parameters)
     assert "multi_processor_count" not in inspect.getsource(sch)
@@ -475,14 +500,14 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     seen = set()
     for rows in (1, 4000, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, 1, bulk, None, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, None, 132, *inputs, out)
         assert args[:6] == inputs + (out,)
         per_cta = sch.bulk_forward_walk(rows, bulk_sched)
         if per_cta:
             assert (fn, args[6:]) == ("bulk", (per_cta,))
             seen.add("bulk")
         elif sched.family == "stream":
-            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1),))
+            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1, 132),))
             seen.add("stream")
         else:
             assert (fn, args[6:]) == ("own", ())
@@ -522,8 +547,8 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
     edge = sch.SERIAL_FWD_MAX_OUTPUTS // head_dim
     for rows in (1, edge, edge + 1, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, *inputs, out)
-        with_serial_off = dispatch.forward_call("own", sched, 1, bulk, None, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, 132, *inputs, out)
+        with_serial_off = dispatch.forward_call("own", sched, 1, bulk, None, 132, *inputs, out)
         if rows <= edge:
             assert (fn, args) == ("serial", inputs + (out,))
         else:

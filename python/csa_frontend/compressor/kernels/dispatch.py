@@ -330,8 +330,10 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
             bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             serial = compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             # (forward, schedule, CTAs per SM, then the bulk-copy and the serial schedules'
-            # (forward, schedule, 0) or None)
+            # (forward, schedule, 0) or None, then the device's SM count: the stream forward's
+            # wave is counted on them)
             direct = _direct_entries(fns) + tuple(None if f is None else _direct_entries(f) for f in (bulk, serial))
+            direct += (torch.cuda.get_device_properties(device).multi_processor_count,)
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
@@ -356,11 +358,11 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
-def forward_call(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+def forward_call(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
     """(compiled function, its arguments) of one forward launch: the serial kernel for launches
     of few output elements (``takes_serial_forward``), the bulk-copy kernel where the row count
     gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own (``per_sm``:
-    its CTAs per SM, which size a stream forward's grid)."""
+    its CTAs per SM, which with the device's ``sms`` size a stream forward's grid)."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
     if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1]):
@@ -369,12 +371,13 @@ def forward_call(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu
     if per_cta:
         return bulk[0], args + (per_cta,)
     if sched.family == "stream":
-        return fn, args + (fwd_rows_per_cta(rows, sched, per_sm),)
+        return fn, args + (fwd_rows_per_cta(rows, sched, per_sm, sms),)
     return fn, args
 
 
-def _launch_forward(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-    call, args = forward_call(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+def _launch_forward(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+    call, args = forward_call(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                              out)
     call(*args)
 
 
@@ -445,7 +448,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
-    fn, sched, per_sm, bulk, serial = _kernels_for("fwd", device, ratio, coff, head_dim)
+    fn, sched, per_sm, bulk, serial, sms = _kernels_for("fwd", device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
@@ -454,7 +457,7 @@ def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int)
         if _current_device() != index:
             return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
                            head_dim=head_dim)
-        _launch_forward(fn, sched, per_sm, bulk, serial, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        _launch_forward(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     return launch
 
 

@@ -111,6 +111,13 @@ STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS"
 #: thread targets alone.
 STREAM_GRID_SMS = 128
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
+#: The stream forward's wave is counted on the device's own SMs instead (0), or on this many:
+#: its rows never meet across CTAs, so its bits do not depend on the grid. Measured on the
+#: H200 (NOTES row 96, fwd us, 128 / 132 SMs): 1x65536 r200 c1 d192 23.0 / 20.1, 1x32768 r17 c1
+#: d256 15.9 / 14.3, 1x32768 r24 c1 d512 24.1 / 22.6, 2x16384 r100 c2 d128 14.7 / 13.5, 1x65536
+#: r25 c2 d128 21.7 / 20.8; no shape slower (the SPEC rows' grids are the same). Tuning knob (A/B),
+#: e.g. CSA_FRONTEND_STREAM_FWD_GRID_SMS=128.
+STREAM_FWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_GRID_SMS", "0"))
 #: The residency also counted in shared memory (``stream_shared_bytes``). Off: it binds before
 #: the registers only for some forwards (about 79 KB per CTA, e.g. 224-thread r25 c2 d128, 2 per
 #: SM), and on the H200 it changed no grid of the 8 forwards measured, the short ones slowed by
@@ -494,19 +501,22 @@ def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> in
     return max(1, min(REGISTER_FILE // (per_warp * warps), MAX_THREADS_PER_SM // (warps * 32), MAX_CTAS_PER_SM))
 
 
-def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = None) -> int:
+def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = None,
+                    sms: "int | None" = None) -> int:
     """Stream CTAs along the rows (backward: one grad_ape slab each), over the column tiles: on
-    each of STREAM_GRID_SMS SMs the direction's thread target in whole CTAs, rounded up, but no
-    more than fit at once (``resident``, the compiled kernel's residency; None: at
-    ASSUMED_REGISTERS). So the grid is one wave, the same number of CTAs on every SM."""
+    each of ``sms`` SMs (None: STREAM_GRID_SMS, the backward's) the direction's thread target in
+    whole CTAs, rounded up, but no more than fit at once (``resident``, the compiled kernel's
+    residency; None: at ASSUMED_REGISTERS). So the grid is one wave, the same number of CTAs on
+    every SM."""
     target = STREAM_FWD_TARGET_THREADS if direction == "fwd" else STREAM_BWD_TARGET_THREADS
     if not STREAM_RESIDENT[direction]:
         return max(1, target // sched.threads // sched.col_tiles)
+    sms = sms or STREAM_GRID_SMS
     per_sm = -(-target // (STREAM_GRID_SMS * sched.threads))
     per_sm = min(per_sm, resident or resident_ctas_per_sm(sched.threads))
     if STREAM_SHARED_RESIDENT:
         per_sm = min(per_sm, max(1, SM_SHARED_MEMORY // (stream_shared_bytes(sched, direction) + CTA_SHARED_OVERHEAD)))
-    return max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
+    return max(1, sms * per_sm // sched.col_tiles)
 
 
 def _aligned(nbytes: int) -> int:
@@ -586,10 +596,13 @@ def takes_serial_forward(n_rows: int, head_dim: int, serial: "Schedule | None") 
     return serial is not None and n_rows * head_dim <= SERIAL_FWD_MAX_OUTPUTS
 
 
-def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
+def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None,
+                     device_sms: "int | None" = None) -> int:
     """Stream forward: rows one CTA walks (the window family takes one row per thread) over
-    ``stream_row_ctas`` CTAs per column tile."""
-    return max(1, -(-n_rows // stream_row_ctas(sched, "fwd", resident)))
+    ``stream_row_ctas`` CTAs per column tile, in a wave on ``device_sms`` SMs (the launching
+    device's; STREAM_FWD_GRID_SMS overrides it, None: STREAM_GRID_SMS)."""
+    sms = STREAM_FWD_GRID_SMS or device_sms
+    return max(1, -(-n_rows // stream_row_ctas(sched, "fwd", resident, sms)))
 
 
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
