@@ -113,10 +113,10 @@ STREAM_GRID_SMS = 128
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
 #: The stream forward's wave is counted on the device's own SMs instead (0), or on this many:
 #: its rows never meet across CTAs, so its bits do not depend on the grid. Measured on the
-#: H200 (NOTES row 96, fwd us, 128 / 132 SMs): 1x65536 r200 c1 d192 23.0 / 20.1, 1x32768 r17 c1
-#: d256 15.9 / 14.3, 1x32768 r24 c1 d512 24.1 / 22.6, 2x16384 r100 c2 d128 14.7 / 13.5, 1x65536
-#: r25 c2 d128 21.7 / 20.8; no shape slower (the SPEC rows' grids are the same). Tuning knob (A/B),
-#: e.g. CSA_FRONTEND_STREAM_FWD_GRID_SMS=128.
+#: H200 (NOTES row 96, fwd us, 128 / 132 SMs): 1x65536 r200 c1 d192 24.0 / 20.9, 1x32768 r17 c1
+#: d256 15.8 / 14.3, 1x32768 r24 c1 d512 24.2 / 22.7, 2x16384 r100 c2 d128 15.1 / 13.9, 1x65536
+#: r37 c2 d512 78.1 / 75.3; no shape of 20 slower (the SPEC rows' grids are the same). Tuning
+#: knob (A/B), e.g. CSA_FRONTEND_STREAM_FWD_GRID_SMS=128.
 STREAM_FWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_GRID_SMS", "0"))
 #: The residency also counted in shared memory (``stream_shared_bytes``). Off: it binds before
 #: the registers only for some forwards (about 79 KB per CTA, e.g. 224-thread r25 c2 d128, 2 per
