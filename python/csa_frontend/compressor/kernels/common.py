@@ -72,9 +72,10 @@ def exp2_half_squared(a_half, *, loc=None, ip=None) -> Float32:
     return mul_rn(h, h, loc=loc, ip=ip)
 
 
-#: The exact weights' reciprocal ``1 / den`` as the branch-free fast path of ``div.rn``
+#: The exact backward weights' reciprocal ``1 / den`` as the branch-free fast path of ``div.rn``
 #: (``rcp_of_den``) or as ``div.rn`` itself ("ieee": a range test and a slow-path call around
-#: every reciprocal). Diagnostic knob for A/B runs, CSA_FRONTEND_EXACT_RCP=ieee.
+#: every reciprocal). The forward's exact fallback keeps ``div.rn`` (``window_fwd.pool_exact``).
+#: Diagnostic knob for A/B runs, CSA_FRONTEND_EXACT_RCP=ieee.
 EXACT_RCP_INLINE = os.environ.get("CSA_FRONTEND_EXACT_RCP", "inline") != "ieee"
 
 
