@@ -179,11 +179,13 @@ def test_stream_forward_wave_counts_the_device_sms(monkeypatch, ratio, coff, hea
         rpc = sch.fwd_rows_per_cta(n_rows, s, resident, device_sms)
         assert rpc == max(1, -(-n_rows // row_ctas))
         assert -(-n_rows // rpc) * s.col_tiles <= max(device_sms * per_sm, s.col_tiles)
-        assert sch.fwd_rows_per_cta(n_rows, s, resident) == max(1, -(-n_rows // sch.stream_row_ctas(s, "fwd", resident)))
+        default = sch.stream_row_ctas(s, "fwd", resident)  # no SM count given: STREAM_GRID_SMS
+        assert sch.fwd_rows_per_cta(n_rows, s, resident) == max(1, -(-n_rows // default))
     monkeypatch.setattr(sch, "STREAM_FWD_GRID_SMS", 128)
     assert sch.fwd_rows_per_cta(10 ** 6, s, resident, device_sms) == sch.fwd_rows_per_cta(10 ** 6, s, resident, 128)
     b = sch.choose_schedule(ratio, coff, head_dim, "bwd")
-    assert sch.bwd_rows_per_thread(10 ** 6, b, resident) == max(1, -(-10 ** 6 // sch.stream_row_ctas(b, "bwd", resident)))
+    b_ctas = sch.stream_row_ctas(b, "bwd", resident)
+    assert sch.bwd_rows_per_thread(10 ** 6, b, resident) == max(1, -(-10 ** 6 // b_ctas))
 
 
 def test_shared_memory_caps_the_residency_when_counted(monkeypatch):
