@@ -56,8 +56,7 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
         fn = fused_call(direction, cu, comp, ratio, coff, d)
         res[f"{direction}_floor_us"] = round(traffic_bytes(n_tok, n_rows, coff, d, direction) / bw * 1e6, 1)
         entry = dispatch._kernels_for(direction, cu.device, ratio, coff, d)
-        sched, per_sm = (entry[1], entry[2]) if direction == "fwd" else (entry[2], entry[3])
-        sms = entry[5] if direction == "fwd" else None
+        sched, per_sm, sms = entry.sched, entry.per_sm, getattr(entry, "sms", None)
         res[f"{direction}_schedule"] = f"{sched.family} {sched.threads} threads x {sched.col_tiles} tiles, " \
                                        f"{per_sm} CTAs per SM"
         for name in variants if direction == "fwd" and sched.family == "stream" else ():

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -319,8 +319,28 @@ def _direct_entry(fn):
     return direct if callable(direct) else fn
 
 
+class ForwardKernels(NamedTuple):
+    """A forward configuration's launch inputs on one device (``_kernels_for``)."""
+    fn: Callable
+    sched: Schedule
+    per_sm: int  # CTAs of ``fn`` an SM holds at once (stream family; else 0)
+    bulk: Any  # the bulk-copy forward's (fn, schedule, 0), or None
+    serial: Any  # the serial forward's (fn, schedule, 0), or None
+    sms: int  # the device's SMs: the stream forward's wave is counted on them
+
+
+class BackwardKernels(NamedTuple):
+    """A backward configuration's launch inputs on one device (``_kernels_for``)."""
+    main: Callable
+    reduce: Any  # the grad_ape slab reduction, or None (atomic variant)
+    sched: Schedule
+    per_sm: int  # CTAs of ``main`` an SM holds at once (stream family; else 0)
+    few: Any  # the few-rows schedule's (main, reduce, schedule, CTAs per SM), or None
+
+
 def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, head_dim: int):
-    """The compiled kernels of one configuration (their direct entry points) and its schedule."""
+    """The compiled kernels of one configuration (their direct entry points) and its schedule:
+    ``ForwardKernels`` for "fwd", ``BackwardKernels`` for "bwd" and "bwd_atomic"."""
     key = (direction, device.index, ratio, coff, head_dim)
     entry = _by_device.get(key)
     if entry is None:
@@ -329,18 +349,14 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             serial = compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-            # (forward, schedule, CTAs per SM, then the bulk-copy and the serial schedules'
-            # (forward, schedule, 0) or None, then the device's SM count: the stream forward's
-            # wave is counted on them)
-            direct = _direct_entries(fns) + tuple(None if f is None else _direct_entries(f) for f in (bulk, serial))
-            direct += (torch.cuda.get_device_properties(device).multi_processor_count,)
+            direct = ForwardKernels(*_direct_entries(fns),
+                                    *(None if f is None else _direct_entries(f) for f in (bulk, serial)),
+                                    torch.cuda.get_device_properties(device).multi_processor_count)
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
             few = compile_backward_few_rows(**kw)
-            # (main, reduce, schedule, CTAs per SM, the few-rows schedule's (main, reduce, schedule,
-            # CTAs per SM) or None)
-            direct = _direct_entries(fns) + (None if few is None else _direct_entries(few),)
+            direct = BackwardKernels(*_direct_entries(fns), None if few is None else _direct_entries(few))
         entry = _by_device[key] = (fns, direct)
     return entry[1]
 
