@@ -197,3 +197,35 @@ def test_window_backward_pipeline_depth_knob_compiles(ratio, coff, head_dim, mon
     assert sched.family == "window"
     main, reduce, *_ = dispatch._build_backward(ratio, coff, head_dim, sched, "sm_90a")
     assert main is not None and reduce is not None
+
+
+EXACT_RECIPROCAL = re.compile(r"\b(?:rcp|div)\.rn\.f32\b")
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (8, 1, 64)])
+def test_exact_reciprocals_where_they_were_measured(ratio, coff, head_dim, monkeypatch, tmp_path):
+    """The register-window backward takes each column's ``1 / den`` as ``div.rn``'s inline fast
+    path (``rcp_of_den``: one ``rcp.approx.ftz`` per column, no ``rcp.rn`` and its slow-path
+    branch), which was 0.5-2% faster on the H200; the forward's exact fallback keeps ``rcp.rn``,
+    whose branch keeps that rarely taken path out of the common one (inlined, the r4 forwards
+    were 12-16% slower). ``CSA_FRONTEND_EXACT_RCP=ieee`` gives the backward ``rcp.rn`` back."""
+    from csa_frontend.compressor.kernels import common
+
+    bwd = choose_schedule(ratio, coff, head_dim, "bwd")
+    fwd = choose_schedule(ratio, coff, head_dim, "fwd")
+    assert bwd.family == fwd.family == "window"
+
+    def ptx_of(build):
+        texts = kernel_ptx(build, monkeypatch, tmp_path)
+        assert len(texts) == 1
+        return texts[0]
+
+    backward = ptx_of(lambda: dispatch._build_backward(ratio, coff, head_dim, bwd, "sm_90a")[:1])
+    assert not EXACT_RECIPROCAL.search(backward)
+    assert backward.count("rcp.approx.ftz.f32") == bwd.vec
+    forward = ptx_of(lambda: dispatch._build_forward(ratio, coff, head_dim, fwd, "sm_90a")[:1])
+    assert len(EXACT_RECIPROCAL.findall(forward)) == fwd.vec
+    monkeypatch.setattr(common, "EXACT_RCP_INLINE", False)
+    ieee = ptx_of(lambda: dispatch._build_backward(ratio, coff, head_dim, bwd, "sm_90a")[:1])
+    assert len(EXACT_RECIPROCAL.findall(ieee)) == bwd.vec and "rcp.approx" not in ieee
