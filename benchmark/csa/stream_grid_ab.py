@@ -39,8 +39,9 @@ def apply_variant(name: str) -> None:
     """Set the planner's grid sizing to variant ``name`` (see the module docstring)."""
     wave = 0 if name == "targets" else 1
     schedule.STREAM_RESIDENT.update(fwd=wave, bwd=wave)
-    schedule.STREAM_GRID_SMS = int(name[3:]) if name.startswith("sms") else GRID_SMS
-    schedule.STREAM_FWD_GRID_SMS = int(name[3:]) if name.startswith("sms") else FWD_GRID_SMS
+    sms = int(name[3:]) if name.startswith("sms") else None
+    schedule.STREAM_GRID_SMS = sms or GRID_SMS
+    schedule.STREAM_FWD_GRID_SMS = sms or FWD_GRID_SMS
     schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
     offset = int(name[3:]) if name.startswith("rpc") else 0
     dispatch.fwd_rows_per_cta = (FWD_ROWS_PER_CTA if not offset else

@@ -512,6 +512,8 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
     if not STREAM_RESIDENT[direction]:
         return max(1, target // sched.threads // sched.col_tiles)
     sms = sms or STREAM_GRID_SMS
+    # the target per SM stays that of STREAM_GRID_SMS SMs whatever ``sms`` (for every CTA width
+    # of 32-1024 threads it rounds to the same CTAs at 132): only the SM count scales the grid
     per_sm = -(-target // (STREAM_GRID_SMS * sched.threads))
     per_sm = min(per_sm, resident or resident_ctas_per_sm(sched.threads))
     if STREAM_SHARED_RESIDENT:
