@@ -229,3 +229,28 @@ def test_exact_reciprocals_where_they_were_measured(ratio, coff, head_dim, monke
     monkeypatch.setattr(common, "EXACT_RCP_INLINE", False)
     ieee = ptx_of(lambda: dispatch._build_backward(ratio, coff, head_dim, bwd, "sm_90a")[:1])
     assert len(EXACT_RECIPROCAL.findall(ieee)) == bwd.vec and "rcp.approx" not in ieee
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 512, "bwd"), (4, 1, 128, "bwd"),
+                                                           (128, 1, 128, "bwd"), (16, 2, 256, "fwd")])
+def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, direction, monkeypatch, tmp_path):
+    """The pipelined kernels (register-window backward, stream forward and backward) wait for
+    their whole first row (``cp.async.wait_group 0``) before the row loop requests the next one;
+    the loop itself waits for all but the newest group. ``CSA_FRONTEND_FIRST_ROW_ALONE=0``
+    requests both rows at once (no such wait)."""
+    from csa_frontend.compressor.kernels import stream_bwd, stream_fwd, window_bwd
+
+    sched = choose_schedule(ratio, coff, head_dim, direction)
+    assert sched.family == ("window" if ratio <= 4 else "stream")
+    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
+
+    def waits():
+        texts = kernel_ptx(lambda: build(ratio, coff, head_dim, sched, "sm_90a")[:1], monkeypatch, tmp_path)
+        assert len(texts) == 1
+        return re.findall(r"cp\.async\.wait_group\s+(\d+)", texts[0])
+
+    assert waits() == ["0", "1"]
+    for module in (stream_bwd, stream_fwd, window_bwd):
+        monkeypatch.setattr(module, "FIRST_ROW_ALONE", False)
+    assert waits() == ["1"]

@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
                      div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots, store_partial,
                      zero_fill_cta, zero_tokens)
-from .schedule import STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
+from .schedule import FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -136,6 +136,8 @@ class StreamBackward(BackwardKernel):
                 if row < n_real and col_ok:
                     self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
                 cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(FIRST_ROW_ALONE):
+                    cute.arch.cp_async_wait_group(0)
             for it in cutlass.range(rows_per_cta, unroll=1):
                 nrow = row + 1
                 blk = row - lo  # this row's block, block count and segment end, before the cursor moves

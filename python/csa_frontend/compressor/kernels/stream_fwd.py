@@ -28,7 +28,7 @@ from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_s
                      exp2_half_squared, fma_rn, row_span, safe_max, stage_buffers, stage_slots)
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
-from .schedule import STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
+from .schedule import FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
 
 
 @cute.jit
@@ -132,6 +132,8 @@ class StreamForward(PoolingKernel):
                 stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
                                 self.coff, n_vec, vec)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(FIRST_ROW_ALONE):
+                cute.arch.cp_async_wait_group(0)
         for it in cutlass.range(rows_per_cta, unroll=1):
             nrow = row + 1
             if nrow >= hi:

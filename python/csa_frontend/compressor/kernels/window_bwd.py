@@ -24,7 +24,7 @@ from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_asyn
                      load_window, mul_rn, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import WINDOW_BWD_STAGES, stages_ape_tile
+from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
@@ -92,6 +92,8 @@ class WindowBackward(BackwardKernel):
                 stage_ape(gA, sApe, col_ok, cv, cvl, lane, lanes, ratio, coff, n_vec)
                 cute.arch.sync_threads()
                 ape_rows = sApe[None, cvl, None]
+            if cutlass.const_expr(staged and FIRST_ROW_ALONE):
+                cute.arch.cp_async_wait_group(0)
             for it in cutlass.range(rows_per_thread, unroll=1):
                 slots = None
                 if cutlass.const_expr(staged):
