@@ -1,6 +1,6 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
-shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser and the
-stream-grid A/B's variants."""
+shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
+stream-grid A/B's variants and the size sweep's fit."""
 import os
 import sys
 
@@ -115,3 +115,21 @@ def test_window_registers_reads_ptxas():
                "    0 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads\n"
                "ptxas info    : Used 255 registers, used 1 barriers\n")
     assert window_registers.parse_ptxas(verbose) == {"registers": 255, "spill_bytes": 32}
+
+
+@pytest.mark.L0
+def test_size_sweep_fits_fixed_cost_and_rate():
+    """size_sweep.py splits a series of times into a per-call cost and a streaming rate."""
+    import size_sweep
+
+    nbytes = [52e6, 104e6, 208e6, 416e6]
+    times = [3.0 + b / 4.2e6 for b in nbytes]  # 3 us per call + bytes at 4.2 TB/s (4.2e6 bytes per us)
+    fixed, rate = size_sweep.fit_line(nbytes, times)
+    assert fixed == pytest.approx(3.0) and rate == pytest.approx(4.2)
+    fixed, rate = size_sweep.fit_line([1e6, 2e6], [5.0, 5.0])
+    assert fixed == pytest.approx(5.0) and rate == float("inf")
+    with pytest.raises(ValueError, match="two or more distinct sizes"):
+        size_sweep.fit_line([1e6, 1e6], [1.0, 2.0])
+    assert size_sweep.parse_config("4x2x512") == (4, 2, 512)
+    with pytest.raises(SystemExit, match="4x2"):
+        size_sweep.parse_config("4x2")
