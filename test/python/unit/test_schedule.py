@@ -84,6 +84,20 @@ def test_vec2_knob_zero_leaves_the_budget_alone(monkeypatch):
         sch.choose_schedule.cache_clear()
 
 
+def test_backward_vector_cap_knob(monkeypatch):
+    """CSA_FRONTEND_WINDOW_MAX_VEC=bwd=8 lets windows of up to 4 positions take 16-byte accesses
+    in the backward; longer windows still narrow to the register budget."""
+    assert sch.choose_schedule(4, 1, 512, "bwd").vec == 4
+    monkeypatch.setitem(sch.WINDOW_MAX_VEC, "bwd", 8)
+    sch.choose_schedule.cache_clear()
+    try:
+        assert sch.choose_schedule(4, 1, 512, "bwd") == sch.Schedule("window", 8, 64, 4, 1)
+        assert sch.choose_schedule(4, 2, 512, "bwd").vec == 4
+    finally:
+        monkeypatch.undo()
+        sch.choose_schedule.cache_clear()
+
+
 def test_odd_head_dim_keeps_scalar_window():
     assert sch.choose_schedule(4, 2, 65, "bwd") == sch.Schedule("window", 1, 65, 3, 1)
 

@@ -67,8 +67,10 @@ WINDOW_FWD_VEC2_COFF2_STREAMED = (14, 256)
 WINDOW_BWD_BITWISE_RATIO = 8
 WINDOW_BWD_LONG_POSITIONS = 12
 #: Widest vector per direction: backward at vec 8 (r4 c1, 32 values) ran 3x8192 d512 in 46.6 us,
-#: at vec 4 in 39.2 us (more CTAs per SM); the forward keeps 16-byte accesses where they fit.
-WINDOW_MAX_VEC = {"fwd": 8, "bwd": 4}
+#: at vec 4 in 39.2 us (more CTAs per SM; measured before sessions 8-25 reworked the backward);
+#: the forward keeps 16-byte accesses where they fit. Tuning knob, e.g.
+#: CSA_FRONTEND_WINDOW_MAX_VEC="bwd=8".
+WINDOW_MAX_VEC = _per_direction({"fwd": 8, "bwd": 4}, "CSA_FRONTEND_WINDOW_MAX_VEC")
 #: Backward CTAs we aim for before a thread walks several rows: each CTA writes one grad_ape
 #: partial slab, so more CTAs mean more slab traffic and a longer fixed-order reduction (1536
 #: slabs cost 3x8192 r4 c1 d512 a third of its time), fewer leave SMs idle (192 CTAs: 44% of
