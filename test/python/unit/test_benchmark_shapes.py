@@ -1,6 +1,6 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
 shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
-stream-grid A/B's variants and the size sweep's fit."""
+stream-grid A/B's variants, the size sweep's fit and the targets check."""
 import os
 import sys
 
@@ -133,3 +133,29 @@ def test_size_sweep_fits_fixed_cost_and_rate():
     assert size_sweep.parse_config("4x2x512") == (4, 2, 512)
     with pytest.raises(SystemExit, match="4x2"):
         size_sweep.parse_config("4x2")
+
+
+@pytest.mark.L0
+def test_targets_against_spec_floor():
+    """targets.py checks a run against SPEC's floor (4.29 TB/s) and the issues' criteria; the
+    floors it computes are SPEC section 6's own figures."""
+    import targets
+
+    def row(shape, fwd, bwd):
+        seg, seqlen, ratio, _, _ = targets.parse_name(shape)
+        return {"shape": shape, "tokens": seg * seqlen, "rows": seg * (seqlen // ratio),
+                "fwd_fused_us": fwd, "bwd_fused_us": bwd}
+
+    entries = {(e["shape"], e["direction"]): e for e in targets.check({"results": [
+        row("3x8192 r4 c2 d512", 28.9, 64.7), row("1x8192 r128 c2 d128", 5.3, 9.0),
+        row("4x8192 r16 c2 d256", 19.0, 42.3), row("3x8192 r4 c1 d512", 16.3, 34.6)]})}
+    big_fwd = entries[("3x8192 r4 c2 d512", "fwd")]
+    assert big_fwd["spec_floor_us"] == pytest.approx(24.9, abs=0.05)  # SPEC section 6's figure
+    assert all(ok for ok, _ in big_fwd["criteria"].values())
+    ok, limit = entries[("3x8192 r4 c2 d512", "bwd")]["criteria"]["85% of floor"]
+    assert not ok and limit == pytest.approx(48.4 / 0.85, abs=0.1)
+    small = entries[("1x8192 r128 c2 d128", "bwd")]["criteria"]
+    assert set(small) == {"faster than best known", "1.5x best known"} and small["1.5x best known"][0]
+    assert set(entries[("4x8192 r16 c2 d256", "fwd")]["criteria"]) == {"80% of floor"}
+    assert "85% of floor" not in entries[("3x8192 r4 c1 d512", "fwd")]["criteria"]  # 56.6 MB
+    assert "MISSED: 80% of floor needs <= 39.4" in targets.render(list(entries.values()))
