@@ -664,8 +664,9 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
 
 #: Pipelined kernels (stream forward and backward, register-window backward): each thread waits
 #: until its first row has landed before it requests the next, instead of requesting both at
-#: once (with more window-backward stages, until every row of its prologue has). At the start every CTA of the grid waits for its first row with nothing to overlap;
-#: requested together with the second, the first shares the DRAM with it. H200, NOTES row 99,
+#: once (with more window-backward stages, until every row of its prologue has). At the start
+#: every CTA of the grid waits for its first row with nothing to overlap; requested together
+#: with the second, the first shares the DRAM with it. H200, NOTES row 99,
 #: two alternating rounds of the SPEC table, bwd us default -> first row alone: 3x8192 r4 c1
 #: d512 35.1-35.2 -> 34.3-34.6, 1x131072 r128 c1 d128 47.3-47.4 -> 46.8-46.9, 512x256 r4 c2
 #: d512 297.0-298.2 -> 296.0-296.1, 1x65536 r64 c1 d512 78.2-78.3 -> 77.8-77.9; every other
