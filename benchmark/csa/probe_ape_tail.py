@@ -16,7 +16,7 @@ import torch
 
 from bench_csa_compressor import fused_call, graph_time_us, make_problem, parse_shape, rotated_copies, shape_name
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import ape_split, bwd_row_groups
+from csa_frontend.compressor.kernels.schedule import ape_split, bwd_row_groups, slab_bytes
 
 
 def no_op(*_):
@@ -39,7 +39,7 @@ def probe(shape):
     entries = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, d)
     with mock.patch.object(dispatch, "_kernels_for", lambda *_: without_reduction(*entries)):
         main_only = graph_time_us(backward, sets)
-    _, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, *entries)
+    _, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, *entries, slab_bytes(ratio, coff, d))
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_ape = ratio * coff * d
     slabs = [(torch.randn(groups, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(copies)]

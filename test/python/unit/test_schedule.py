@@ -106,22 +106,52 @@ def test_odd_head_dim_keeps_scalar_window():
 def test_rows_per_thread_boundaries(family_ratio):
     s = sch.choose_schedule(family_ratio, 2, 128, "bwd")
     for n_rows in [0, 1, 2, 7, 1000, 4095, 4096, 4097, 10 ** 5, 10 ** 6, 10 ** 7]:
-        rpt = sch.bwd_rows_per_thread(n_rows, s)
+        slab = sch.slab_bytes(family_ratio, 2, 128)
+        rpt = sch.bwd_rows_per_thread(n_rows, s, None, slab)
         groups = sch.bwd_row_groups(n_rows, s, rpt)
         per_cta = rpt if s.family == "stream" else rpt * s.row_lanes
         assert rpt >= 1
         assert groups * per_cta >= n_rows > (groups - 1) * per_cta or n_rows == groups == 0
         if s.family == "window":
-            assert rpt <= sch.BWD_MAX_ROWS_PER_THREAD
+            most_groups = max(sch.BWD_TARGET_CTAS, sch.BWD_SLAB_BYTES // slab)
+            assert groups <= most_groups
+            # past the row cap only where one row fewer would pass the slab budget
+            assert rpt <= sch.BWD_MAX_ROWS_PER_THREAD or sch.bwd_row_groups(n_rows, s, rpt - 1) > most_groups
 
 
 def test_window_rows_per_thread_bucket_edges():
     s = sch.choose_schedule(4, 2, 128, "bwd")
+    slab = sch.slab_bytes(4, 2, 128)
     edge = s.row_lanes * sch.BWD_TARGET_CTAS
-    assert sch.bwd_rows_per_thread(edge, s) == 1
-    assert sch.bwd_rows_per_thread(edge + 1, s) == 2
+    assert sch.bwd_rows_per_thread(edge, s, None, slab) == 1
+    assert sch.bwd_rows_per_thread(edge + 1, s, None, slab) == 2
     assert sch.bwd_row_groups(edge, s, 1) == sch.BWD_TARGET_CTAS
-    assert sch.bwd_rows_per_thread(10 ** 9, s) == sch.BWD_MAX_ROWS_PER_THREAD
+    # the row cap: the grid grows past the CTA target, up to the slab budget
+    capped = edge * sch.BWD_MAX_ROWS_PER_THREAD
+    assert sch.bwd_rows_per_thread(capped + 1, s, None, slab) == sch.BWD_MAX_ROWS_PER_THREAD
+    most_groups = sch.BWD_SLAB_BYTES // slab
+    budget_edge = s.row_lanes * most_groups * sch.BWD_MAX_ROWS_PER_THREAD
+    assert sch.bwd_rows_per_thread(budget_edge, s, None, slab) == sch.BWD_MAX_ROWS_PER_THREAD
+    assert sch.bwd_row_groups(budget_edge, s, sch.BWD_MAX_ROWS_PER_THREAD) == most_groups
+    # past the budget the threads walk more rows instead
+    assert sch.bwd_rows_per_thread(budget_edge + 1, s, None, slab) == sch.BWD_MAX_ROWS_PER_THREAD + 1
+    rpt = sch.bwd_rows_per_thread(10 ** 9, s, None, slab)
+    assert sch.bwd_row_groups(10 ** 9, s, rpt) <= most_groups
+
+
+def test_window_slab_budget_never_shrinks_the_cta_target():
+    """Slabs larger than the budget's share (long windows, wide rows): the grid still reaches
+    BWD_TARGET_CTAS row groups before threads walk more rows."""
+    s = sch.choose_schedule(8, 2, 512, "bwd")
+    slab = sch.slab_bytes(8, 2, 512)
+    assert sch.BWD_SLAB_BYTES // slab <= sch.BWD_TARGET_CTAS
+    n_rows = s.row_lanes * sch.BWD_TARGET_CTAS * 40
+    assert sch.bwd_rows_per_thread(n_rows, s, None, slab) == 40
+
+
+def test_window_rows_need_the_slab_bytes():
+    with pytest.raises(ValueError, match="slab_bytes"):
+        sch.bwd_rows_per_thread(1000, sch.choose_schedule(4, 2, 128, "bwd"))
 
 
 def test_stream_forward_rows_per_cta():
@@ -230,7 +260,7 @@ def _interleave_edge(ratio=4, coff=2, head_dim=512):
     WINDOW_BWD_INTERLEAVE_MIN_ROWS rows."""
     s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
     n_rows = s.row_lanes * sch.BWD_TARGET_CTAS * sch.WINDOW_BWD_INTERLEAVE_MIN_ROWS
-    return s, n_rows, sch.bwd_rows_per_thread(n_rows, s)
+    return s, n_rows, sch.bwd_rows_per_thread(n_rows, s, None, sch.slab_bytes(ratio, coff, head_dim))
 
 
 def test_interleaved_backward_rule_edges():
@@ -239,7 +269,7 @@ def test_interleaved_backward_rule_edges():
     assert sch.bwd_interleaved(n_rows, 1, 4, 2, 512, s, rpt)
     # one row fewer per thread: contiguous runs
     fewer = n_rows - s.row_lanes * sch.BWD_TARGET_CTAS
-    assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, sch.bwd_rows_per_thread(fewer, s))
+    assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, sch.bwd_rows_per_thread(fewer, s, None, sch.slab_bytes(4, 2, 512)))
     # outside the measured gain: narrower rows, coff 1, smaller ratio
     for ratio, coff, head_dim in [(4, 2, 256), (4, 1, 1024), (2, 2, 512)]:
         s2, rows2, rpt2 = _interleave_edge(ratio, coff, head_dim)
@@ -363,11 +393,12 @@ def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
     few_sched = sch.few_rows_schedule(ratio, coff, head_dim)
     few = None if few_sched is None else ("few main", "few reduce", few_sched, 2)
     for n_rows in (0, 1, 63, 64, 65, 128, 129, 256, 257, 1000, 10 ** 6):
-        main, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, "main", "reduce", s, 1, few)
+        slab = sch.slab_bytes(ratio, coff, head_dim)
+        main, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, "main", "reduce", s, 1, few, slab)
         if sch.takes_few_rows_schedule(n_rows, s, few_sched, 1):
-            assert (main, reduce, sched, rpt) == few[:3] + (sch.bwd_rows_per_thread(n_rows, few_sched, 2),)
+            assert (main, reduce, sched, rpt) == few[:3] + (sch.bwd_rows_per_thread(n_rows, few_sched, 2, slab),)
         else:
-            assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1))
+            assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1, slab))
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [
@@ -409,14 +440,15 @@ def test_combine_knob_off_means_every_warp_combines(monkeypatch):
     assert not sch.combines_once_per_cta(sch.choose_schedule(128, 2, 512, "bwd"))
 
 
-@pytest.mark.parametrize("head_dim,tile", [(64, True), (128, True), (192, True), (256, True), (512, False),
-                                           (4096, False)])
+@pytest.mark.parametrize("head_dim,tile", [(64, True), (128, True), (192, True), (256, True), (384, True),
+                                           (512, True), (1024, False), (4096, False)])
 def test_window_backward_stages_ape_for_narrow_heads(head_dim, tile):
-    """The ape tile goes where a CTA holds at least 4 row lanes (measured faster there, mixed at 2)."""
+    """The ape tile goes where a CTA holds at least 2 row lanes (measured faster there with the
+    row cap and slab budget of NOTES row 104; one lane, d >= 1024, not measured)."""
     sched = sch.choose_schedule(4, 2, head_dim, "bwd")
     assert sched.family == "window"
     assert sch.stages_ape_tile(sched) is tile
-    assert (sched.row_lanes >= 4) is tile
+    assert (sched.row_lanes >= 2) is tile
 
 
 def test_ape_tile_knob(monkeypatch):

@@ -38,6 +38,7 @@ from .schedule import (
     fwd_rows_per_cta,
     resident_ctas_per_sm,
     serial_forward_schedule,
+    slab_bytes,
     takes_serial_forward,
     zero_fill_ctas,
 )
@@ -409,22 +410,24 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
         _launch_forward(*args)
 
 
-def backward_for_rows(n_rows, main, reduce, sched, per_sm, few):
+def backward_for_rows(n_rows, main, reduce, sched, per_sm, few, slab):
     """(main kernel, slab reduction, schedule, rows per thread or CTA) a backward launch of
     ``n_rows`` rows runs: the default kernels of ``_kernels_for``, or the few-rows ones ``few``
     where the default's CTAs would walk few rows (``schedule.takes_few_rows_schedule``; the
-    default's rows per CTA are computed once and kept where it stays)."""
-    rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
+    default's rows per CTA are computed once and kept where it stays). ``slab``: bytes of one
+    grad_ape slab (``schedule.slab_bytes``)."""
+    rpt = bwd_rows_per_thread(n_rows, sched, per_sm, slab)
     if few is not None and rpt <= few_rows_limit(sched, few[2]):
         main, reduce, sched, per_sm = few
-        rpt = bwd_rows_per_thread(n_rows, sched, per_sm)
+        rpt = bwd_rows_per_thread(n_rows, sched, per_sm, slab)
     return main, reduce, sched, rpt
 
 
 def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
     n_rows = grad_out.shape[0]
-    main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, few)
+    main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, few,
+                                                 slab_bytes(ratio, coff, head_dim))
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)

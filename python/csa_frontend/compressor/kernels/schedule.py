@@ -94,7 +94,7 @@ WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_
 #: 1x32768 r4 c2 d256 46.7 -> 44.3, r1/r2 c2 d128, r4 c1 d128); with 2 (d512) mixed: 3x8192 r4 c1
 #: d512 36.1 -> 34.4 but 1x65536 r4 c2 d512 157 -> 162, r1 c2 d512 73 -> 75.5. 1 stages it
 #: everywhere, 0 nowhere. Tuning knob, CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES.
-WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES", "4"))
+WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES", "2"))
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): 512 per SM on 128 SMs, rounded to whole CTAs per SM and capped at the resident ones
 #: (``stream_row_ctas``). A constant, not the SM count (grad_ape's order).
@@ -136,8 +136,18 @@ REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
 MAX_THREADS_PER_SM = 2048
 MAX_CTAS_PER_SM = 32
 ASSUMED_REGISTERS = 128
-#: Cap on rows one backward thread walks.
-BWD_MAX_ROWS_PER_THREAD = 32
+#: Register-window backward: rows one thread walks before the grid grows past BWD_TARGET_CTAS
+#: row groups, and the grad_ape slab bytes (row groups x ratio x coff x head_dim x 4) it may then
+#: grow to before threads walk more rows. A long walk left a one-wave grid's tail to few CTAs;
+#: many slabs cost their write and the reduction's read. Measured on the H200 (NOTES row 104,
+#: two rounds, bwd us, 32 rows and no slab budget -> 16 rows and 8 MiB, with the ape tile from 2
+#: row lanes): 1x131072 r4 c1 d512 167.7 -> 155.9, 1x65536 r2 c2 d512 168.9 -> 155.3, 1x65536 r1
+#: c2 d512 167.4 -> 161.5, 1x65536 r4 c1 d512 85.9 -> 84.4; 1x65536 r4 c2 d512 151.5 -> 151.3
+#: (512 row groups); where 16 rows would have passed the budget, 1x131072 r4 c2 d512 and 512x256
+#: r4 c2 d512 at 512 groups of 32 rows: 295.2 -> 291.6 and 296.5 -> 295.2 (1024 groups of 16:
+#: 298.5 and 298.6). Tuning knobs, CSA_FRONTEND_BWD_MAX_ROWS and CSA_FRONTEND_BWD_SLAB_BYTES.
+BWD_MAX_ROWS_PER_THREAD = int(os.environ.get("CSA_FRONTEND_BWD_MAX_ROWS", "16"))
+BWD_SLAB_BYTES = int(os.environ.get("CSA_FRONTEND_BWD_SLAB_BYTES", str(8 << 20)))
 
 
 @dataclass(frozen=True)
@@ -544,15 +554,24 @@ def stream_shared_bytes(sched: Schedule, direction: str) -> int:
     return total
 
 
-def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
-    """Rows each backward thread walks (window family): the fewest that bring the CTA count down
-    to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD. Stream family: rows each CTA walks, one
-    at a time, over ``stream_row_ctas`` CTAs per column tile (``resident``: the compiled
-    kernel's residency)."""
+def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None, slab_bytes: int = 0) -> int:
+    """Rows each backward thread walks (window family): the fewest that bring the row groups
+    down to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD unless the row groups' grad_ape
+    slabs (``slab_bytes`` each: ratio x coff x head_dim x 4) would then pass BWD_SLAB_BYTES.
+    Stream family: rows each CTA walks, one at a time, over ``stream_row_ctas`` CTAs per column
+    tile (``resident``: the compiled kernel's residency)."""
     if sched.family == "stream":
         return max(1, -(-n_rows // stream_row_ctas(sched, "bwd", resident)))
-    rpt = -(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS))
-    return max(1, min(rpt, BWD_MAX_ROWS_PER_THREAD))
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes: the window backward's grad_ape slab bytes are needed, got {slab_bytes}")
+    most_groups = max(BWD_TARGET_CTAS, BWD_SLAB_BYTES // slab_bytes)
+    rpt = min(-(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS)), BWD_MAX_ROWS_PER_THREAD)
+    return max(1, rpt, -(-n_rows // (sched.row_lanes * most_groups)))
+
+
+def slab_bytes(ratio: int, coff: int, head_dim: int) -> int:
+    """Bytes of one backward grad_ape partial slab (fp32, the shape of ape)."""
+    return ratio * coff * head_dim * 4
 
 
 #: Stream forward threads we aim for across the grid; each CTA walks rows one at a time. 65536
