@@ -91,9 +91,14 @@ WINDOW_BWD_STAGES = _per_direction({"c1": 2, "c2": 2}, "CSA_FRONTEND_WINDOW_BWD_
 #: the H200 had put 37% of the 3x8192 r4 c2 d512 backward's warp samples on those loads. Measured
 #: (H200, same runs): with 4-8 row lanes (head_dim <= 256) 5-11% faster on every shape tried
 #: (3x8192 r4 c2 d128 21.7 -> 19.4 us, 64x1000 48.4 -> 46.6, 1x65536 r4 c2 d128 46.5 -> 42.9,
-#: 1x32768 r4 c2 d256 46.7 -> 44.3, r1/r2 c2 d128, r4 c1 d128); with 2 (d512) mixed: 3x8192 r4 c1
-#: d512 36.1 -> 34.4 but 1x65536 r4 c2 d512 157 -> 162, r1 c2 d512 73 -> 75.5. 1 stages it
-#: everywhere, 0 nowhere. Tuning knob, CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES.
+#: 1x32768 r4 c2 d256 46.7 -> 44.3, r1/r2 c2 d128, r4 c1 d128). With 2 (d512 at 256 threads) it
+#: was mixed while threads walked up to 32 rows (1x65536 r4 c2 d512 152 -> 158); with the row cap
+#: of 16 and the slab budget (BWD_MAX_ROWS_PER_THREAD) faster on 7 of 8 d512 shapes measured
+#: (two rounds, e.g. 1x65536 r4 c1 87.6 -> 84.5, 3x8192 r1 c2 72.1 -> 69.4, 1x65536 r2 c2 158.0
+#: -> 155.4; 3x8192 r4 c2 63.9 -> 61.6, where the rows did not change), slower on 1x32768 r4 c2
+#: d512, 81.8 -> 83.5 (NOTES rows 104-105).
+#: 1 stages it everywhere (one row lane, d >= 1024: not measured), 0 nowhere. Tuning knob,
+#: CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES.
 WINDOW_BWD_APE_TILE_LANES = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_APE_TILE_LANES", "2"))
 #: Stream backward threads we aim for across the grid (one row at a time per CTA, one slab
 #: each): 512 per SM on 128 SMs, rounded to whole CTAs per SM and capped at the resident ones
