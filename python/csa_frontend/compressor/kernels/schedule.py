@@ -143,14 +143,13 @@ MAX_CTAS_PER_SM = 32
 ASSUMED_REGISTERS = 128
 #: Register-window backward: rows one thread walks before the grid grows past BWD_TARGET_CTAS
 #: row groups, and the grad_ape slab bytes (row groups x ratio x coff x head_dim x 4) it may then
-#: grow to before threads walk more rows. A long walk left a one-wave grid's tail to few CTAs;
-#: many slabs cost their write and the reduction's read. Measured on the H200 (NOTES row 104,
-#: two rounds, bwd us, 32 rows and no slab budget -> 16 rows and 8 MiB, with the ape tile from 2
-#: row lanes): 1x131072 r4 c1 d512 167.7 -> 155.9, 1x65536 r2 c2 d512 168.9 -> 155.3, 1x65536 r1
-#: c2 d512 167.4 -> 161.5, 1x65536 r4 c1 d512 85.9 -> 84.4; 1x65536 r4 c2 d512 151.5 -> 151.3
-#: (512 row groups); where 16 rows would have passed the budget, 1x131072 r4 c2 d512 and 512x256
-#: r4 c2 d512 at 512 groups of 32 rows: 295.2 -> 291.6 and 296.5 -> 295.2 (1024 groups of 16:
-#: 298.5 and 298.6). Tuning knobs, CSA_FRONTEND_BWD_MAX_ROWS and CSA_FRONTEND_BWD_SLAB_BYTES.
+#: grow to before threads walk more rows (each slab costs its write and the reduction's read).
+#: Measured on the H200 with the ape tile on in both (NOTES rows 104-105, two rounds, bwd us,
+#: 32 -> 16 rows): 1x131072 r4 c1 d512 162.6 -> 155.9, 1x65536 r2 c2 d512 163.2 -> 155.4, r1 c2
+#: 163.8 -> 161.5, 1x65536 r4 c1 d512 86.4 -> 84.4, 1x65536 r4 c2 d512 158.4 -> 151.3; but 1024
+#: row groups of 16 KB slabs lost to 512 of 32 rows (1x131072 r4 c2 d512 298.5 / 291.6, 512x256
+#: r4 c2 d512 298.6 / 295.2), hence the budget: 16 KB slabs stop at 512 groups. Why 32 rows
+#: lose is not known. Tuning knobs, CSA_FRONTEND_BWD_MAX_ROWS and CSA_FRONTEND_BWD_SLAB_BYTES.
 BWD_MAX_ROWS_PER_THREAD = int(os.environ.get("CSA_FRONTEND_BWD_MAX_ROWS", "16"))
 BWD_SLAB_BYTES = int(os.environ.get("CSA_FRONTEND_BWD_SLAB_BYTES", str(8 << 20)))
 
