@@ -536,6 +536,22 @@ def test_window_rows_walked_per_thread(few_ctas, ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (2, 1, 64), (3, 2, 65)])
+def test_window_rows_past_the_row_cap(few_ctas, monkeypatch, ratio, coff, head_dim):
+    """A slab budget of one slab: the grid stays at one row group, so each thread walks every
+    row of its lane, past BWD_MAX_ROWS_PER_THREAD (the budget's branch of ``bwd_rows_per_thread``)."""
+    monkeypatch.setattr(schedule, "BWD_SLAB_BYTES", 1)
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    per_pack = sum(n // ratio for n in edge_lengths(ratio))
+    lengths = edge_lengths(ratio) * -(-(schedule.BWD_MAX_ROWS_PER_THREAD + 2) * sched.row_lanes // per_pack)
+    lengths += [0, ratio - 1]
+    n_rows = sum(n // ratio for n in lengths)
+    assert schedule.bwd_rows_per_thread(n_rows, sched, None, schedule.slab_bytes(ratio, coff, head_dim)) > \
+        schedule.BWD_MAX_ROWS_PER_THREAD
+    check_config(ratio, coff, head_dim, lengths, pad_rows=3, seed=ratio * 3 + head_dim)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ctas", [1, 3])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (3, 2, 65), (1, 2, 64), (8, 2, 128)])
 def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
