@@ -254,3 +254,23 @@ def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, d
     for module in (stream_bwd, stream_fwd, window_bwd):
         monkeypatch.setattr(module, "FIRST_ROW_ALONE", False)
     assert waits() == ["1"]
+
+
+@pytest.mark.L1
+def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
+    """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
+    ``nanosleep`` of that length, after the first row's wait."""
+    from csa_frontend.compressor.kernels import window_bwd
+
+    sched = choose_schedule(4, 2, 512, "bwd")
+
+    def ptx():
+        texts = kernel_ptx(lambda: dispatch._build_backward(4, 2, 512, sched, "sm_90a")[:1], monkeypatch, tmp_path)
+        assert len(texts) == 1
+        return texts[0]
+
+    assert "nanosleep" not in ptx()
+    monkeypatch.setattr(window_bwd, "WINDOW_BWD_STAGGER_NS", 1500)
+    text = ptx()
+    assert re.findall(r"nanosleep\.u32\s+(\d+)", text) == ["1500"]
+    assert re.search(r"cp\.async\.wait_group\s+0", text).start() < text.index("nanosleep")

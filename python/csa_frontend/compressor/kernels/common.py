@@ -47,6 +47,14 @@ def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
     return _ptx_f32("fma.rn.f32", (a, b, c), loc, ip)
 
 
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """Suspend the thread for about ``ns`` nanoseconds (``nanosleep.u32``; the hardware picks a
+    time in [0, 2 * ns])."""
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 #: log2(e): the MUFU exponentials take base-2 arguments
 LOG2E = 1.4426950408889634
 HALF_LOG2E = 0.5 * LOG2E  # exp2_half_squared takes half the exponent

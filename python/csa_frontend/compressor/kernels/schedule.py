@@ -695,6 +695,12 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
 #: d512 297.0-298.2 -> 296.0-296.1, 1x65536 r64 c1 d512 78.2-78.3 -> 77.8-77.9; every other
 #: row and direction within 0.3 us either way. Tuning knob (A/B), CSA_FRONTEND_FIRST_ROW_ALONE=0.
 FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
+#: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
+#: row has landed, so half the warps of every CTA walk their rows shifted against the other half
+#: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and
+#: reach the DRAM in read and write bursts). Timing only: the same rows in the same order, the
+#: same bits. 0 (the default) emits no code. Diagnostic knob (A/B), CSA_FRONTEND_WINDOW_BWD_STAGGER_NS.
+WINDOW_BWD_STAGGER_NS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STAGGER_NS", "0"))
 
 #: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream
 #: launch at once and waits (``griddepcontrol.wait``) for the previous one to finish and flush

@@ -21,10 +21,10 @@ from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_async, enter_grid,
-                     load_window, mul_rn, row_span, softmax_column, stage_ape, stage_buffers,
+                     load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, stages_ape_tile
+from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
@@ -94,6 +94,9 @@ class WindowBackward(BackwardKernel):
                 ape_rows = sApe[None, cvl, None]
             if cutlass.const_expr(staged and FIRST_ROW_ALONE):
                 cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(WINDOW_BWD_STAGGER_NS > 0):
+                if lane % 2 == 1:
+                    nanosleep(WINDOW_BWD_STAGGER_NS)
             for it in cutlass.range(rows_per_thread, unroll=1):
                 slots = None
                 if cutlass.const_expr(staged):
