@@ -269,7 +269,8 @@ def test_interleaved_backward_rule_edges():
     assert sch.bwd_interleaved(n_rows, 1, 4, 2, 512, s, rpt)
     # one row fewer per thread: contiguous runs
     fewer = n_rows - s.row_lanes * sch.BWD_TARGET_CTAS
-    assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, sch.bwd_rows_per_thread(fewer, s, None, sch.slab_bytes(4, 2, 512)))
+    fewer_rpt = sch.bwd_rows_per_thread(fewer, s, None, sch.slab_bytes(4, 2, 512))
+    assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, fewer_rpt)
     # outside the measured gain: narrower rows, coff 1, smaller ratio
     for ratio, coff, head_dim in [(4, 2, 256), (4, 1, 1024), (2, 2, 512)]:
         s2, rows2, rpt2 = _interleave_edge(ratio, coff, head_dim)
