@@ -142,6 +142,14 @@ def kernel_ptx(build, monkeypatch, tmp_path):
     return [str(fn.artifacts.PTX) for fn in build() if fn is not None and hasattr(fn, "artifacts")]
 
 
+def main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path):
+    """PTX of the main kernel alone of one ``dispatch._build_forward``/``_build_backward`` call
+    for sm_90a (the first kernel it compiles)."""
+    texts = kernel_ptx(lambda: build(ratio, coff, head_dim, sched, "sm_90a")[:1], monkeypatch, tmp_path)
+    assert len(texts) == 1
+    return texts[0]
+
+
 def entries(ptx):
     """(name, body) of each kernel entry in a PTX text."""
     parts = re.split(r"\.visible \.entry ", ptx)[1:]
@@ -216,18 +224,16 @@ def test_exact_reciprocals_where_they_were_measured(ratio, coff, head_dim, monke
     fwd = choose_schedule(ratio, coff, head_dim, "fwd")
     assert bwd.family == fwd.family == "window"
 
-    def ptx_of(build):
-        texts = kernel_ptx(build, monkeypatch, tmp_path)
-        assert len(texts) == 1
-        return texts[0]
+    def ptx_of(build, sched):
+        return main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
 
-    backward = ptx_of(lambda: dispatch._build_backward(ratio, coff, head_dim, bwd, "sm_90a")[:1])
+    backward = ptx_of(dispatch._build_backward, bwd)
     assert not EXACT_RECIPROCAL.search(backward)
     assert backward.count("rcp.approx.ftz.f32") == bwd.vec
-    forward = ptx_of(lambda: dispatch._build_forward(ratio, coff, head_dim, fwd, "sm_90a")[:1])
+    forward = ptx_of(dispatch._build_forward, fwd)
     assert len(EXACT_RECIPROCAL.findall(forward)) == fwd.vec
     monkeypatch.setattr(common, "EXACT_RCP_INLINE", False)
-    ieee = ptx_of(lambda: dispatch._build_backward(ratio, coff, head_dim, bwd, "sm_90a")[:1])
+    ieee = ptx_of(dispatch._build_backward, bwd)
     assert len(EXACT_RECIPROCAL.findall(ieee)) == bwd.vec and "rcp.approx" not in ieee
 
 
@@ -246,9 +252,8 @@ def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, d
     build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
 
     def waits():
-        texts = kernel_ptx(lambda: build(ratio, coff, head_dim, sched, "sm_90a")[:1], monkeypatch, tmp_path)
-        assert len(texts) == 1
-        return re.findall(r"cp\.async\.wait_group\s+(\d+)", texts[0])
+        ptx = main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+        return re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)
 
     assert waits() == ["0", "1"]
     for module in (stream_bwd, stream_fwd, window_bwd):
@@ -265,9 +270,7 @@ def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     sched = choose_schedule(4, 2, 512, "bwd")
 
     def ptx():
-        texts = kernel_ptx(lambda: dispatch._build_backward(4, 2, 512, sched, "sm_90a")[:1], monkeypatch, tmp_path)
-        assert len(texts) == 1
-        return texts[0]
+        return main_kernel_ptx(dispatch._build_backward, 4, 2, 512, sched, monkeypatch, tmp_path)
 
     assert "nanosleep" not in ptx()
     monkeypatch.setattr(window_bwd, "WINDOW_BWD_STAGGER_NS", 1500)
