@@ -558,17 +558,17 @@ def stream_shared_bytes(sched: Schedule, direction: str) -> int:
     return total
 
 
-def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None, slab_bytes: int = 0) -> int:
+def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = None, slab: int = 0) -> int:
     """Rows each backward thread walks (window family): the fewest that bring the row groups
     down to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD unless the row groups' grad_ape
-    slabs (``slab_bytes`` each: ratio x coff x head_dim x 4) would then pass BWD_SLAB_BYTES.
+    slabs (``slab`` bytes each: ``slab_bytes``) would then pass BWD_SLAB_BYTES.
     Stream family: rows each CTA walks, one at a time, over ``stream_row_ctas`` CTAs per column
     tile (``resident``: the compiled kernel's residency)."""
     if sched.family == "stream":
         return max(1, -(-n_rows // stream_row_ctas(sched, "bwd", resident)))
-    if slab_bytes <= 0:
-        raise ValueError(f"slab_bytes: the window backward's grad_ape slab bytes are needed, got {slab_bytes}")
-    most_groups = max(BWD_TARGET_CTAS, BWD_SLAB_BYTES // slab_bytes)
+    if slab <= 0:
+        raise ValueError(f"slab: the window backward's grad_ape slab bytes (slab_bytes) are needed, got {slab}")
+    most_groups = max(BWD_TARGET_CTAS, BWD_SLAB_BYTES // slab)
     rpt = min(-(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS)), BWD_MAX_ROWS_PER_THREAD)
     return max(1, rpt, -(-n_rows // (sched.row_lanes * most_groups)))
 
