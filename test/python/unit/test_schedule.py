@@ -419,6 +419,20 @@ def test_backward_combines_once_per_cta_from_16_groups(ratio, coff, head_dim, on
         assert sch.combines_once_per_cta(few) is (sch.warp_groups(few) >= sch.STREAM_BWD_COMBINE_GROUPS)
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 192), (16, 2, 256), (32, 2, 512), (128, 1, 128)])
+def test_combine_once_only_where_one_warp_spans_the_columns(monkeypatch, ratio, coff, head_dim):
+    """Warps 0 and 1 combine for the whole CTA, so they must hold every column thread. Knob-made
+    1024-thread CTAs of 2-position chunks give 16+ groups of 64 column threads (r16 c2 d192 had
+    wrong grad_kv in the upper columns on the H200 before the rule); those combine in every warp."""
+    monkeypatch.setitem(sch.STREAM_CTA_THREADS, "bwd", 1024)
+    monkeypatch.setitem(sch.STREAM_CHUNK_VALUES, "bwd", 8)
+    sched = sch._stream_schedule(ratio, coff, head_dim, 4, "bwd")
+    assert sched.threads == 1024
+    assert sch.combines_once_per_cta(sched) is (sched.col_threads <= 32)
+    if sched.col_threads > 32:
+        assert sch.warp_groups(sched) >= sch.STREAM_BWD_COMBINE_GROUPS  # the case the rule is for
+
+
 def test_few_rows_knob_off_means_never(monkeypatch):
     monkeypatch.setattr(sch, "STREAM_BWD_FEW_ROWS", 0)
     s = sch.choose_schedule(128, 1, 128, "bwd")

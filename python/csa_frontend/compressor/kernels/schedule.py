@@ -397,9 +397,11 @@ def warp_groups(sched: "Schedule") -> int:
 
 def combines_once_per_cta(sched: "Schedule") -> bool:
     """Whether the stream backward of ``sched`` combines its warp partials once per CTA (warps 0
-    and 1) rather than in every warp (``STREAM_BWD_COMBINE_GROUPS``)."""
+    and 1) rather than in every warp (``STREAM_BWD_COMBINE_GROUPS``). Only where one warp spans
+    every column thread: at more than 32 (knob-made CTAs of 1024 threads) warp 0 would combine
+    half the columns and the others would read stale results."""
     groups = warp_groups(sched)
-    return groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
+    return sched.col_threads <= 32 and groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
 
 
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
