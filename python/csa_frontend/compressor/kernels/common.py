@@ -17,6 +17,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
+from .schedule import LOOKUP_OVERLAPPED
+
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
     """One fp32 PTX instruction ``instruction $0, $1, ...`` on ``args``, as inline assembly
@@ -301,13 +303,24 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
               warp_rows: cutlass.Constexpr = False):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.
     ``warp_rows``: every lane of the warp has this ``row`` and calls together (then the
-    search is ``find_segment_warp``)."""
+    search is ``find_segment_warp``). With ``LOOKUP_OVERLAPPED`` the search runs for padding
+    rows too (it lands on some segment in range, then overridden), so the load of
+    ``cu_seqlens_comp[n_seg]`` no longer gates the search: one dependent round trip fewer."""
     t0 = Int32(0)
     blk = Int32(0)
-    if row < mCuC[n_seg]:
+    if cutlass.const_expr(LOOKUP_OVERLAPPED):
+        n_real = mCuC[n_seg]
         seg = find_segment(mCuC, n_seg, row, warp_rows)
         t0 = mCu[seg]
         blk = row - mCuC[seg]
+        if row >= n_real:
+            t0 = Int32(0)
+            blk = Int32(0)
+    else:
+        if row < mCuC[n_seg]:
+            seg = find_segment(mCuC, n_seg, row, warp_rows)
+            t0 = mCu[seg]
+            blk = row - mCuC[seg]
     return t0, blk
 
 
@@ -320,12 +333,25 @@ def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp
     t1 = Int32(0)
     lo = row
     hi = row + 1
-    if row < mCuC[n_seg]:
+    if cutlass.const_expr(LOOKUP_OVERLAPPED):
+        n_real = mCuC[n_seg]
         seg = find_segment(mCuC, n_seg, row, warp_rows)
         t0 = mCu[seg]
         t1 = mCu[seg + 1]
         lo = mCuC[seg]
         hi = mCuC[seg + 1]
+        if row >= n_real:
+            t0 = Int32(0)
+            t1 = Int32(0)
+            lo = row
+            hi = row + 1
+    else:
+        if row < mCuC[n_seg]:
+            seg = find_segment(mCuC, n_seg, row, warp_rows)
+            t0 = mCu[seg]
+            t1 = mCu[seg + 1]
+            lo = mCuC[seg]
+            hi = mCuC[seg + 1]
     return t0, lo, hi, t1
 
 

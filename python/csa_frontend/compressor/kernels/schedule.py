@@ -697,6 +697,13 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
 #: d512 297.0-298.2 -> 296.0-296.1, 1x65536 r64 c1 d512 78.2-78.3 -> 77.8-77.9; every other
 #: row and direction within 0.3 us either way. Tuning knob (A/B), CSA_FRONTEND_FIRST_ROW_ALONE=0.
 FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
+#: Row lookups (``common.row_start``, ``row_span``): the segment search starts without waiting
+#: for ``cu_seqlens_comp[n_seg]`` (the padding test), which is loaded alongside the first probe
+#: and applied afterwards. Every kernel's first row of a launch is a chain of dependent loads
+#: (padding test, ceil(log32 B) probe rounds, the segment's offsets) before its data can be
+#: requested; this takes one round trip out of it. Same results. Tuning knob (A/B),
+#: CSA_FRONTEND_LOOKUP_OVERLAPPED=0.
+LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
 #: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and
