@@ -261,6 +261,34 @@ def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, d
     assert waits() == ["1"]
 
 
+def padding_test_gates_the_search(ptx: str) -> bool:
+    """Whether the register that the kernel's first global load fills (``cu_seqlens_comp[n_seg]``,
+    the padding test) is read before the segment search's first ballot, i.e. the search waits
+    for that load."""
+    first = re.search(r"ld\.global\.b32\s+(%r\d+),", ptx)
+    ballot = ptx.index("vote.sync.ballot")
+    assert first and first.end() < ballot
+    return re.search(re.escape(first.group(1)) + r"\b", ptx[first.end():ballot]) is not None
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 128, "fwd"), (4, 2, 512, "bwd")])
+def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim, direction, monkeypatch,
+                                                           tmp_path):
+    """``LOOKUP_OVERLAPPED`` (default): a row lookup loads ``cu_seqlens_comp[n_seg]`` alongside the
+    search's first probe and applies the padding test afterwards, so the search starts one
+    round trip earlier; with the knob off the search sits behind the test's branch."""
+    from csa_frontend.compressor.kernels import common
+
+    sched = choose_schedule(ratio, coff, head_dim, direction)
+    assert sched.family == "window" and sched.col_threads % 32 == 0  # the warp-wide search
+    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
+    assert not padding_test_gates_the_search(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch,
+                                                             tmp_path))
+    monkeypatch.setattr(common, "LOOKUP_OVERLAPPED", False)
+    assert padding_test_gates_the_search(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path))
+
+
 @pytest.mark.L1
 def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
