@@ -159,3 +159,7 @@ def test_targets_against_spec_floor():
     assert set(entries[("4x8192 r16 c2 d256", "fwd")]["criteria"]) == {"80% of floor"}
     assert "85% of floor" not in entries[("3x8192 r4 c1 d512", "fwd")]["criteria"]  # 56.6 MB
     assert "MISSED: 80% of floor needs <= 39.4" in targets.render(list(entries.values()))
+    with_copy = dict(row("3x8192 r4 c2 d512", 28.9, 64.7), bwd_copy_us=51.5, fwd_copy_us=28.2)
+    lines = targets.render(targets.check({"results": [with_copy]})).splitlines()
+    assert lines[0].endswith(" met")  # a met target shows no copy
+    assert lines[1].endswith("needs <= 56.9 (same-bytes copy 51.5)")
