@@ -194,6 +194,27 @@ def test_segment_lookup_rounds(n_seg):
     check_config(4, 2, 128, lengths, pad_rows=3, seed=n_seg)
 
 
+@pytest.mark.L1
+@pytest.mark.parametrize("n_seg", [1, 2, 31, 32])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512)])
+def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
+    """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (off by default until measured faster): the window
+    family's lookups in packs of <= 31 segments by one round of loads and shuffles, 32 segments
+    by the search. Both directions, with empty, short and tail segments and padding rows, so
+    the walking backward also looks rows up mid-walk."""
+    from csa_frontend.compressor.kernels import common, dispatch
+    monkeypatch.setattr(common, "LOOKUP_ONE_ROUND", True)
+    dispatch.clear_cache()
+    try:
+        g = torch.Generator().manual_seed(n_seg)
+        lengths = torch.randint(0, 3 * ratio * 8, (n_seg,), generator=g).tolist()
+        if n_seg > 1:
+            lengths[0], lengths[-1] = 0, ratio - 1
+        check_config(ratio, coff, head_dim, lengths, pad_rows=3, seed=n_seg)
+    finally:
+        dispatch.clear_cache()
+
+
 def check_cancelling_forward(ratio, coff, head_dim, lengths, seed):
     """Windows whose weighted sums cancel to near zero: every ``out`` element within one bf16
     step of the reference (the checked fast pooling must hand these columns to the exact one;

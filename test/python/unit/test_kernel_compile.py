@@ -290,6 +290,25 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 128, "fwd"), (4, 2, 512, "bwd")])
+def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, monkeypatch, tmp_path):
+    """``LOOKUP_ONE_ROUND`` on hands out the segment's offsets by lane-indexed shuffles
+    (``shfl.sync.idx``, at least first token and first row) that the default does not emit."""
+    from csa_frontend.compressor.kernels import common
+
+    sched = choose_schedule(ratio, coff, head_dim, direction)
+    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
+
+    def shuffles():
+        ptx = main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+        return len(re.findall(r"shfl\.sync\.idx", ptx))
+
+    default = shuffles()
+    monkeypatch.setattr(common, "LOOKUP_ONE_ROUND", True)
+    assert shuffles() >= default + 2
+
+
+@pytest.mark.L1
 def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
     ``nanosleep`` of that length, after the first row's wait."""

@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_OVERLAPPED
+from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -298,21 +298,87 @@ class BackwardKernel(PoolingKernel):
         )
 
 
+#: Packs of at most this many segments take ``segment_offsets_one_round`` (one lane per offset
+#: index, the end index ``n_seg`` included, in one warp).
+ONE_ROUND_SEGMENTS = 31
+
+
+@cute.jit
+def segment_offsets_one_round(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """``segment_offsets`` for a row the whole warp shares (all 32 lanes converged) in packs of
+    at most ``ONE_ROUND_SEGMENTS`` segments: lane ``j <= n_seg`` loads both offsets of index
+    ``j``, a ballot of the starts ``<= row`` names the segment (the last such start, as the
+    search's), and shuffles hand out its offsets, its end and ``cu_seqlens_comp[n_seg]``. One
+    round of loads instead of a probe round and then the segment's offsets."""
+    lane = cute.arch.lane_idx()
+    c = Int32(0)
+    t = Int32(0)
+    if lane <= n_seg:
+        c = mCuC[lane]
+        t = mCu[lane]
+    below = lane < n_seg
+    if below:
+        below = c <= row
+    seg = cutlass.max(cute.arch.popc(cute.arch.vote_ballot_sync(below)) - 1, 0)
+    n_real = cute.arch.shuffle_sync(c, n_seg)
+    t0 = cute.arch.shuffle_sync(t, seg)
+    lo = cute.arch.shuffle_sync(c, seg)
+    t1 = cute.arch.shuffle_sync(t, seg + 1)
+    hi = cute.arch.shuffle_sync(c, seg + 1)
+    return n_real, t0, lo, hi, t1
+
+
+@cute.jit
+def searched_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
+                     warp_rows: cutlass.Constexpr, span: cutlass.Constexpr):
+    """``segment_offsets`` by ``find_segment``: the padding test's load goes out with the first
+    probe, the segment's offsets follow the search."""
+    t1 = Int32(0)
+    hi = Int32(0)
+    n_real = mCuC[n_seg]
+    seg = find_segment(mCuC, n_seg, row, warp_rows)
+    t0 = mCu[seg]
+    if cutlass.const_expr(span):
+        t1 = mCu[seg + 1]
+    lo = mCuC[seg]
+    if cutlass.const_expr(span):
+        hi = mCuC[seg + 1]
+    return n_real, t0, lo, hi, t1
+
+
+@cute.jit
+def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
+                    warp_rows: cutlass.Constexpr, span: cutlass.Constexpr):
+    """(``cu_seqlens_comp[n_seg]``, first token, first row, end row, end token) of ``row``'s
+    segment; the last two only with ``span`` (else 0). The search runs for padding rows too (it
+    lands on some segment in range; callers override), so the padding test's load does not gate
+    it (``LOOKUP_OVERLAPPED``)."""
+    if cutlass.const_expr(warp_rows and LOOKUP_ONE_ROUND):
+        n_real = Int32(0)
+        t0 = Int32(0)
+        lo = Int32(0)
+        hi = Int32(0)
+        t1 = Int32(0)
+        if n_seg <= ONE_ROUND_SEGMENTS:
+            n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row)
+        else:
+            n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
+        return n_real, t0, lo, hi, t1
+    else:
+        return searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
+
+
 @cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
               warp_rows: cutlass.Constexpr = False):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.
     ``warp_rows``: every lane of the warp has this ``row`` and calls together (then the
-    search is ``find_segment_warp``). With ``LOOKUP_OVERLAPPED`` the search runs for padding
-    rows too (it lands on some segment in range, then overridden), so the load of
-    ``cu_seqlens_comp[n_seg]`` no longer gates the search: one dependent round trip fewer."""
+    search is ``find_segment_warp``, or one round for few segments)."""
     t0 = Int32(0)
     blk = Int32(0)
     if cutlass.const_expr(LOOKUP_OVERLAPPED):
-        n_real = mCuC[n_seg]
-        seg = find_segment(mCuC, n_seg, row, warp_rows)
-        t0 = mCu[seg]
-        blk = row - mCuC[seg]
+        n_real, t0, slo, _, _ = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, False)
+        blk = row - slo
         if row >= n_real:
             t0 = Int32(0)
             blk = Int32(0)
@@ -334,12 +400,7 @@ def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp
     lo = row
     hi = row + 1
     if cutlass.const_expr(LOOKUP_OVERLAPPED):
-        n_real = mCuC[n_seg]
-        seg = find_segment(mCuC, n_seg, row, warp_rows)
-        t0 = mCu[seg]
-        t1 = mCu[seg + 1]
-        lo = mCuC[seg]
-        hi = mCuC[seg + 1]
+        n_real, t0, lo, hi, t1 = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, True)
         if row >= n_real:
             t0 = Int32(0)
             t1 = Int32(0)

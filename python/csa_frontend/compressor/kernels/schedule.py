@@ -704,6 +704,12 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: requested; this takes one round trip out of it. Same results. Tuning knob (A/B),
 #: CSA_FRONTEND_LOOKUP_OVERLAPPED=0.
 LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
+#: Row lookups of the window family (a warp shares its row) in packs of at most 31 segments:
+#: one round of loads, each lane both offsets of one index, and shuffles
+#: (``common.segment_offsets_one_round``), instead of a probe round and then the segment's
+#: offsets. Off until measured: NOTES row 52 found a similar one-round lookup 17% slower in the
+#: forward of session 10 (not understood). Tuning knob (A/B), CSA_FRONTEND_LOOKUP_ONE_ROUND=1.
+LOOKUP_ONE_ROUND = os.environ.get("CSA_FRONTEND_LOOKUP_ONE_ROUND", "0") == "1"
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
 #: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and
