@@ -701,7 +701,10 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: for ``cu_seqlens_comp[n_seg]`` (the padding test), which is loaded alongside the first probe
 #: and applied afterwards. Every kernel's first row of a launch is a chain of dependent loads
 #: (padding test, ceil(log32 B) probe rounds, the segment's offsets) before its data can be
-#: requested; this takes one round trip out of it. Same results. Tuning knob (A/B),
+#: requested; this takes one round trip out of it. Same results. Measured on the H200 (NOTES
+#: row 110, two alternating rounds, us old -> new): 1x8192 r4 c2 d128 bwd 10.4 -> 10.0, 3x8192
+#: r4 c2 d512 bwd 61.6-61.7 -> 61.1-61.2, 64x1000 fwd 20.3-20.4 -> 20.1-20.2, 1x8192 r128 c2
+#: d128 fwd 5.3 -> 5.1; slower: 3x8192 r4 c1 d512 fwd 16.4 -> 16.8. Tuning knob (A/B),
 #: CSA_FRONTEND_LOOKUP_OVERLAPPED=0.
 LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #: Row lookups of the window family (a warp shares its row) in packs of at most 31 segments:
