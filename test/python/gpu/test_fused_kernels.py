@@ -210,6 +210,9 @@ def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
         lengths = torch.randint(0, 3 * ratio * 8, (n_seg,), generator=g).tolist()
         if n_seg > 1:
             lengths[0], lengths[-1] = 0, ratio - 1
+        lengths[n_seg // 2] = 64 * ratio + 1  # past the serial forward's launches: the window forward runs
+        rows = sum(n // ratio for n in lengths) + 3
+        assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
         check_config(ratio, coff, head_dim, lengths, pad_rows=3, seed=n_seg)
     finally:
         dispatch.clear_cache()
