@@ -304,12 +304,14 @@ ONE_ROUND_SEGMENTS = 31
 
 
 @cute.jit
-def segment_offsets_one_round(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+def segment_offsets_one_round(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
+                              span: cutlass.Constexpr):
     """``segment_offsets`` for a row the whole warp shares (all 32 lanes converged) in packs of
     at most ``ONE_ROUND_SEGMENTS`` segments: lane ``j <= n_seg`` loads both offsets of index
     ``j``, a ballot of the starts ``<= row`` names the segment (the last such start, as the
-    search's), and shuffles hand out its offsets, its end and ``cu_seqlens_comp[n_seg]``. One
-    round of loads instead of a probe round and then the segment's offsets."""
+    search's), and shuffles hand out its offsets, ``cu_seqlens_comp[n_seg]`` and, with
+    ``span``, its end. One round of loads instead of a probe round and then the segment's
+    offsets."""
     lane = cute.arch.lane_idx()
     c = Int32(0)
     t = Int32(0)
@@ -323,8 +325,11 @@ def segment_offsets_one_round(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32,
     n_real = cute.arch.shuffle_sync(c, n_seg)
     t0 = cute.arch.shuffle_sync(t, seg)
     lo = cute.arch.shuffle_sync(c, seg)
-    t1 = cute.arch.shuffle_sync(t, seg + 1)
-    hi = cute.arch.shuffle_sync(c, seg + 1)
+    t1 = Int32(0)
+    hi = Int32(0)
+    if cutlass.const_expr(span):
+        t1 = cute.arch.shuffle_sync(t, seg + 1)
+        hi = cute.arch.shuffle_sync(c, seg + 1)
     return n_real, t0, lo, hi, t1
 
 
@@ -360,7 +365,7 @@ def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int3
         hi = Int32(0)
         t1 = Int32(0)
         if n_seg <= ONE_ROUND_SEGMENTS:
-            n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row)
+            n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row, span)
         else:
             n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
         return n_real, t0, lo, hi, t1
