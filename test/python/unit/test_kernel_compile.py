@@ -150,6 +150,13 @@ def main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path):
     return texts[0]
 
 
+def planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path):
+    """``main_kernel_ptx`` of the planner's default schedule for ``direction``."""
+    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
+    sched = choose_schedule(ratio, coff, head_dim, direction)
+    return main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+
+
 def entries(ptx):
     """(name, body) of each kernel entry in a PTX text."""
     parts = re.split(r"\.visible \.entry ", ptx)[1:]
@@ -247,12 +254,10 @@ def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, d
     requests both rows at once (no such wait)."""
     from csa_frontend.compressor.kernels import stream_bwd, stream_fwd, window_bwd
 
-    sched = choose_schedule(ratio, coff, head_dim, direction)
-    assert sched.family == ("window" if ratio <= 4 else "stream")
-    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
+    assert choose_schedule(ratio, coff, head_dim, direction).family == ("window" if ratio <= 4 else "stream")
 
     def waits():
-        ptx = main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+        ptx = planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path)
         return re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)
 
     assert waits() == ["0", "1"]
@@ -282,11 +287,10 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
 
     sched = choose_schedule(ratio, coff, head_dim, direction)
     assert sched.family == "window" and sched.col_threads % 32 == 0  # the warp-wide search
-    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
-    assert not padding_test_gates_the_search(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch,
-                                                             tmp_path))
+    assert not padding_test_gates_the_search(planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch,
+                                                                tmp_path))
     monkeypatch.setattr(common, "LOOKUP_OVERLAPPED", False)
-    assert padding_test_gates_the_search(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path))
+    assert padding_test_gates_the_search(planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path))
 
 
 @pytest.mark.L1
@@ -296,11 +300,8 @@ def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, monkey
     (``shfl.sync.idx``, at least first token and first row) that the default does not emit."""
     from csa_frontend.compressor.kernels import common
 
-    sched = choose_schedule(ratio, coff, head_dim, direction)
-    build = dispatch._build_backward if direction == "bwd" else dispatch._build_forward
-
     def shuffles():
-        ptx = main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+        ptx = planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path)
         return len(re.findall(r"shfl\.sync\.idx", ptx))
 
     default = shuffles()
