@@ -198,12 +198,13 @@ def test_segment_lookup_rounds(n_seg):
 @pytest.mark.parametrize("n_seg", [1, 2, 31, 32])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512)])
 def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
-    """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (off by default until measured faster): the window
-    family's lookups in packs of <= 31 segments by one round of loads and shuffles, 32 segments
-    by the search. Both directions, with empty, short and tail segments and padding rows, so
-    the walking backward also looks rows up mid-walk."""
-    from csa_frontend.compressor.kernels import common, dispatch
-    monkeypatch.setattr(common, "LOOKUP_ONE_ROUND", True)
+    """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the forward's default; the backward's knob): the
+    window family's lookups in packs of <= 31 segments by one round of loads and shuffles, 32
+    segments by the search. Both directions, with empty, short and tail segments and padding
+    rows, so the walking backward also looks rows up mid-walk."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+    monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "fwd", 1)
+    monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "bwd", 1)
     dispatch.clear_cache()
     try:
         g = torch.Generator().manual_seed(n_seg)

@@ -282,9 +282,11 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
                                                            tmp_path):
     """``LOOKUP_OVERLAPPED`` (default): a row lookup loads ``cu_seqlens_comp[n_seg]`` alongside the
     search's first probe and applies the padding test afterwards, so the search starts one
-    round trip earlier; with the knob off the search sits behind the test's branch."""
-    from csa_frontend.compressor.kernels import common
+    round trip earlier; with the knob off the search sits behind the test's branch. (Packs of
+    few segments may skip the search, ``LOOKUP_ONE_ROUND``: off here.)"""
+    from csa_frontend.compressor.kernels import common, schedule
 
+    monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, direction, 0)
     sched = choose_schedule(ratio, coff, head_dim, direction)
     assert sched.family == "window" and sched.col_threads % 32 == 0  # the warp-wide search
     assert not padding_test_gates_the_search(planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch,
@@ -296,17 +298,20 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 128, "fwd"), (4, 2, 512, "bwd")])
 def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, monkeypatch, tmp_path):
-    """``LOOKUP_ONE_ROUND`` on hands out the segment's offsets by lane-indexed shuffles
-    (``shfl.sync.idx``, at least first token and first row) that the default does not emit."""
-    from csa_frontend.compressor.kernels import common
+    """``LOOKUP_ONE_ROUND`` (per direction) hands out the segment's offsets by lane-indexed
+    shuffles (``shfl.sync.idx``, at least first token and first row) that the search does not
+    emit; the planned default follows the knob's default for the direction."""
+    from csa_frontend.compressor.kernels import schedule
 
-    def shuffles():
+    def shuffles(on):
+        monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, direction, int(on))
         ptx = planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path)
         return len(re.findall(r"shfl\.sync\.idx", ptx))
 
-    default = shuffles()
-    monkeypatch.setattr(common, "LOOKUP_ONE_ROUND", True)
-    assert shuffles() >= default + 2
+    default = schedule.LOOKUP_ONE_ROUND[direction]
+    searched, one_round = shuffles(False), shuffles(True)
+    assert one_round >= searched + 2
+    assert shuffles(default) == (one_round if default else searched)
 
 
 @pytest.mark.L1

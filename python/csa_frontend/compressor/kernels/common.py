@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
+from .schedule import LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -353,12 +353,12 @@ def searched_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int
 
 @cute.jit
 def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
-                    warp_rows: cutlass.Constexpr, span: cutlass.Constexpr):
+                    warp_rows: cutlass.Constexpr, span: cutlass.Constexpr, one_round: cutlass.Constexpr):
     """(``cu_seqlens_comp[n_seg]``, first token, first row, end row, end token) of ``row``'s
     segment; the last two only with ``span`` (else 0). The search runs for padding rows too (it
     lands on some segment in range; callers override), so the padding test's load does not gate
     it (``LOOKUP_OVERLAPPED``)."""
-    if cutlass.const_expr(warp_rows and LOOKUP_ONE_ROUND):
+    if cutlass.const_expr(warp_rows and one_round):
         n_real = Int32(0)
         t0 = Int32(0)
         lo = Int32(0)
@@ -375,14 +375,15 @@ def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int3
 
 @cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
-              warp_rows: cutlass.Constexpr = False):
+              warp_rows: cutlass.Constexpr = False, one_round: cutlass.Constexpr = False):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.
     ``warp_rows``: every lane of the warp has this ``row`` and calls together (then the
-    search is ``find_segment_warp``, or one round for few segments)."""
+    search is ``find_segment_warp``; with ``one_round``, one round of loads for few segments,
+    ``LOOKUP_ONE_ROUND``)."""
     t0 = Int32(0)
     blk = Int32(0)
     if cutlass.const_expr(LOOKUP_OVERLAPPED):
-        n_real, t0, slo, _, _ = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, False)
+        n_real, t0, slo, _, _ = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, False, one_round)
         blk = row - slo
         if row >= n_real:
             t0 = Int32(0)
@@ -396,16 +397,17 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
 
 
 @cute.jit
-def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp_rows: cutlass.Constexpr = False):
+def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp_rows: cutlass.Constexpr = False,
+             one_round: cutlass.Constexpr = False):
     """(first token, first row, end row, end token) of ``row``'s segment, for walking consecutive
     rows: rows before the end row need no new lookup. A padding row pools segment 0's first
-    block and spans only itself. ``warp_rows``: as for ``row_start``."""
+    block and spans only itself. ``warp_rows``, ``one_round``: as for ``row_start``."""
     t0 = Int32(0)
     t1 = Int32(0)
     lo = row
     hi = row + 1
     if cutlass.const_expr(LOOKUP_OVERLAPPED):
-        n_real, t0, lo, hi, t1 = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, True)
+        n_real, t0, lo, hi, t1 = segment_offsets(mCu, mCuC, n_seg, row, warp_rows, True, one_round)
         if row >= n_real:
             t0 = Int32(0)
             t1 = Int32(0)

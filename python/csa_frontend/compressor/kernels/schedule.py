@@ -710,9 +710,13 @@ LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #: Row lookups of the window family (a warp shares its row) in packs of at most 31 segments:
 #: one round of loads, each lane both offsets of one index, and shuffles
 #: (``common.segment_offsets_one_round``), instead of a probe round and then the segment's
-#: offsets. Off until measured: NOTES row 52 found a similar one-round lookup 17% slower in the
-#: forward of session 10 (not understood). Tuning knob (A/B), CSA_FRONTEND_LOOKUP_ONE_ROUND=1.
-LOOKUP_ONE_ROUND = os.environ.get("CSA_FRONTEND_LOOKUP_ONE_ROUND", "0") == "1"
+#: offsets. Per direction: the forward's rows each take a lookup of their own, the backward's
+#: walk rows and look up only where a segment ends. Measured on the H200 (NOTES row 113, two
+#: alternating rounds, us search -> one round): forward 3x8192 r4 c1 d512 16.9, 16.8 -> 16.3,
+#: 16.2; 3x8192 r4 c2 d512 29.1, 29.3 -> 28.8, 28.6; 3x8192 r4 c2 d128 9.0, 8.9 -> 8.8, 8.8;
+#: backward slower: 1x8192 r4 c2 d128 10.1, 10.0 -> 10.3, 10.2; 3x8192 r4 c2 d512 61.2, 61.0 ->
+#: 61.7, 61.3. Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=0,bwd=1".
+LOOKUP_ONE_ROUND = _per_direction({"fwd": 1, "bwd": 0}, "CSA_FRONTEND_LOOKUP_ONE_ROUND")
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
 #: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and

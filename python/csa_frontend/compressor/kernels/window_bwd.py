@@ -24,7 +24,7 @@ from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_asyn
                      load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
+from .schedule import FIRST_ROW_ALONE, LOOKUP_ONE_ROUND, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
@@ -79,7 +79,7 @@ class WindowBackward(BackwardKernel):
             if interleaved != 0:
                 step = row_groups * lanes
                 row = bx * lanes + lane
-            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
+            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, step, t0,
@@ -111,7 +111,7 @@ class WindowBackward(BackwardKernel):
                 seg_end = t1
                 row = row + step
                 if row >= hi:
-                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows)
+                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
                 if this_row < n_real and col_ok:
                     wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0,
                                                  has_prev, cv, ape_rows)
@@ -196,7 +196,7 @@ class WindowBackward(BackwardKernel):
             s0 = t0
             slo = lo
             if srow >= hi:
-                s0, slo, _, _ = row_span(mCu, mCuC, n_seg, srow, self.warp_rows)
+                s0, slo, _, _ = row_span(mCu, mCuC, n_seg, srow, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
             if col_ok:
                 own0, has_prev = block_start(s0, srow - slo, self.ratio, mKV.shape[0])
                 self.stage_row(mKV, mS, gGO, stage_slots(sBuf, stage, tidx), srow, own0, has_prev, cv)
