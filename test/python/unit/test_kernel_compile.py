@@ -315,6 +315,19 @@ def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, monkey
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("loads", [1, 2, 4])
+def test_one_round_tiers_up_to_the_widest(loads, monkeypatch, tmp_path):
+    """``LOOKUP_ONE_ROUND_LOADS``: the forward's lookup has one tier per power of two up to it,
+    each with one ballot per load, beside the search's one (the warp-wide vote): 1 + 2 + ... +
+    ``loads`` + 1 ballots."""
+    from csa_frontend.compressor.kernels import common
+
+    monkeypatch.setattr(common, "LOOKUP_ONE_ROUND_LOADS", loads)
+    ptx = planned_kernel_ptx(4, 2, 128, "fwd", monkeypatch, tmp_path)
+    assert len(re.findall(r"vote\.sync\.ballot", ptx)) == 2 * loads - 1 + 1
+
+
+@pytest.mark.L1
 def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
     ``nanosleep`` of that length, after the first row's wait."""

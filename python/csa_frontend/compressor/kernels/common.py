@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_OVERLAPPED
+from .schedule import LOOKUP_ONE_ROUND_LOADS, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -298,38 +298,64 @@ class BackwardKernel(PoolingKernel):
         )
 
 
-#: Packs of at most this many segments take ``segment_offsets_one_round`` (one lane per offset
-#: index, the end index ``n_seg`` included, in one warp).
-ONE_ROUND_SEGMENTS = 31
+@cute.jit
+def lane_pick(values: list, index: Int32):
+    """Element ``index`` of the warp-wide array whose element ``32 * i + lane`` lane ``lane``
+    holds in ``values[i]``: one shuffle per register, the register picked after."""
+    picked = Int32(0)
+    if cutlass.const_expr(len(values) == 1):
+        picked = cute.arch.shuffle_sync(values[0], index)
+    else:
+        picked = cute.arch.shuffle_sync(values[0], index % 32)
+        for i in cutlass.range_constexpr(1, len(values)):
+            other = cute.arch.shuffle_sync(values[i], index % 32)
+            if index // 32 == i:
+                picked = other
+    return picked
+
+
+@cute.jit
+def offsets_at(mCu: cute.Tensor, mCuC: cute.Tensor, index: Int32, n_seg: Int32, row: Int32):
+    """(first row, first token, whether segment ``index`` starts at or before ``row``) of offset
+    index ``index``; zeros and False past the end, where nothing is loaded."""
+    c = Int32(0)
+    t = Int32(0)
+    if index <= n_seg:
+        c = mCuC[index]
+        t = mCu[index]
+    below = index < n_seg
+    if below:
+        below = c <= row
+    return c, t, below
 
 
 @cute.jit
 def segment_offsets_one_round(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
-                              span: cutlass.Constexpr):
+                              span: cutlass.Constexpr, loads: cutlass.Constexpr):
     """``segment_offsets`` for a row the whole warp shares (all 32 lanes converged) in packs of
-    at most ``ONE_ROUND_SEGMENTS`` segments: lane ``j <= n_seg`` loads both offsets of index
-    ``j``, a ballot of the starts ``<= row`` names the segment (the last such start, as the
-    search's), and shuffles hand out its offsets, ``cu_seqlens_comp[n_seg]`` and, with
-    ``span``, its end. One round of loads instead of a probe round and then the segment's
-    offsets."""
+    fewer than ``32 * loads`` segments: lane ``j`` loads both offsets of the indices ``j, j +
+    32, ...``, ballots count the segments starting at or before ``row`` (the last of them is
+    the row's, as the search's), and shuffles hand out its offsets, ``cu_seqlens_comp[n_seg]``
+    and, with ``span``, its end. One round of loads instead of probe rounds and then the
+    segment's offsets."""
     lane = cute.arch.lane_idx()
-    c = Int32(0)
-    t = Int32(0)
-    if lane <= n_seg:
-        c = mCuC[lane]
-        t = mCu[lane]
-    below = lane < n_seg
-    if below:
-        below = c <= row
-    seg = cutlass.max(cute.arch.popc(cute.arch.vote_ballot_sync(below)) - 1, 0)
-    n_real = cute.arch.shuffle_sync(c, n_seg)
-    t0 = cute.arch.shuffle_sync(t, seg)
-    lo = cute.arch.shuffle_sync(c, seg)
+    starts = []
+    tokens = []
+    count = Int32(0)
+    for i in cutlass.range_constexpr(loads):
+        c, t, below = offsets_at(mCu, mCuC, lane + 32 * i, n_seg, row)
+        starts.append(c)
+        tokens.append(t)
+        count = count + cute.arch.popc(cute.arch.vote_ballot_sync(below))
+    seg = cutlass.max(count - 1, 0)
+    n_real = lane_pick(starts, n_seg)
+    t0 = lane_pick(tokens, seg)
+    lo = lane_pick(starts, seg)
     t1 = Int32(0)
     hi = Int32(0)
     if cutlass.const_expr(span):
-        t1 = cute.arch.shuffle_sync(t, seg + 1)
-        hi = cute.arch.shuffle_sync(c, seg + 1)
+        t1 = lane_pick(tokens, seg + 1)
+        hi = lane_pick(starts, seg + 1)
     return n_real, t0, lo, hi, t1
 
 
@@ -352,23 +378,37 @@ def searched_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int
 
 
 @cute.jit
+def tiered_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, span: cutlass.Constexpr,
+                   loads: cutlass.Constexpr):
+    """``segment_offsets`` of a warp-shared row in one round of ``loads`` offsets per lane where
+    the pack has fewer than ``32 * loads`` segments, else with twice the loads, up to
+    ``LOOKUP_ONE_ROUND_LOADS``, past which the search takes over. The fewest loads that cover
+    the pack: a lane's loads are paid by every row (NOTES row 114)."""
+    n_real = Int32(0)
+    t0 = Int32(0)
+    lo = Int32(0)
+    hi = Int32(0)
+    t1 = Int32(0)
+    if n_seg < 32 * loads:
+        n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row, span, loads)
+    else:
+        if cutlass.const_expr(2 * loads <= LOOKUP_ONE_ROUND_LOADS):
+            n_real, t0, lo, hi, t1 = tiered_offsets(mCu, mCuC, n_seg, row, span, 2 * loads)
+        else:
+            n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, True, span)
+    return n_real, t0, lo, hi, t1
+
+
+@cute.jit
 def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
                     warp_rows: cutlass.Constexpr, span: cutlass.Constexpr, one_round: cutlass.Constexpr):
     """(``cu_seqlens_comp[n_seg]``, first token, first row, end row, end token) of ``row``'s
     segment; the last two only with ``span`` (else 0). The search runs for padding rows too (it
     lands on some segment in range; callers override), so the padding test's load does not gate
-    it (``LOOKUP_OVERLAPPED``)."""
+    it (``LOOKUP_OVERLAPPED``). With ``warp_rows`` and ``one_round``, packs of few segments take
+    one round of loads instead (``tiered_offsets``)."""
     if cutlass.const_expr(warp_rows and one_round):
-        n_real = Int32(0)
-        t0 = Int32(0)
-        lo = Int32(0)
-        hi = Int32(0)
-        t1 = Int32(0)
-        if n_seg <= ONE_ROUND_SEGMENTS:
-            n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row, span)
-        else:
-            n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
-        return n_real, t0, lo, hi, t1
+        return tiered_offsets(mCu, mCuC, n_seg, row, span, 1)
     else:
         return searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
 

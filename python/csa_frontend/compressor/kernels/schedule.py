@@ -717,6 +717,15 @@ LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #: backward slower: 1x8192 r4 c2 d128 10.1, 10.0 -> 10.3, 10.2; 3x8192 r4 c2 d512 61.2, 61.0 ->
 #: 61.7, 61.3. Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=0,bwd=1".
 LOOKUP_ONE_ROUND = _per_direction({"fwd": 1, "bwd": 0}, "CSA_FRONTEND_LOOKUP_ONE_ROUND")
+#: The widest such round: each lane loads up to this many offsets of each array (a power of two;
+#: a pack takes the fewest loads that cover it), so packs of fewer than 32 x this many segments
+#: skip the search. Measured on the H200 (NOTES row 114, two alternating rounds, fwd us, 1 -> 4
+#: loads): 64x1000 r4 c2 d128 20.43, 20.39 -> 19.75, 19.80; 100x640 20.62, 20.71 -> 19.85,
+#: 19.88; 64x1024 r4 c2 d512 70.89, 71.02 -> 70.29, 70.35; at 2 loads 40x1600 20.25, 20.22 ->
+#: 19.57, 19.53 (4 loads: 19.72, 19.78; one lane's loads are paid by every row, so 4 loads for
+#: one segment cost 1x64000 19.5 -> 20.1). Tuning knob (A/B), e.g.
+#: CSA_FRONTEND_LOOKUP_ONE_ROUND_LOADS=1.
+LOOKUP_ONE_ROUND_LOADS = int(os.environ.get("CSA_FRONTEND_LOOKUP_ONE_ROUND_LOADS", "4"))
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
 #: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and
