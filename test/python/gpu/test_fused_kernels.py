@@ -202,9 +202,8 @@ def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
     """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the forward's default; the backward's knob): the
     window family's lookups in packs of fewer than 32 x ``LOOKUP_ONE_ROUND_LOADS`` segments by
     one round of 1, 2, 4, ... loads per lane and shuffles, more by the search (segment counts
-    on both sides of each tier).
-    Both directions, with empty, short and tail segments and padding rows, so the walking
-    backward also looks rows up mid-walk."""
+    on both sides of each tier). Both directions, with empty, short and tail segments and
+    padding rows, so the walking backward also looks rows up mid-walk."""
     from csa_frontend.compressor.kernels import dispatch
     monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "fwd", 1)
     monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "bwd", 1)

@@ -707,10 +707,10 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: d128 fwd 5.3 -> 5.1; slower: 3x8192 r4 c1 d512 fwd 16.4 -> 16.8. Tuning knob (A/B),
 #: CSA_FRONTEND_LOOKUP_OVERLAPPED=0.
 LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
-#: Row lookups of the window family (a warp shares its row) in packs of at most 31 segments:
-#: one round of loads, each lane both offsets of one index, and shuffles
-#: (``common.segment_offsets_one_round``), instead of a probe round and then the segment's
-#: offsets. Per direction: the forward's rows each take a lookup of their own, the backward's
+#: Row lookups of the window family (a warp shares its row) in packs of fewer than 32 x
+#: ``LOOKUP_ONE_ROUND_LOADS`` segments: one round of loads, each lane both offsets of 1, 2 or 4
+#: indices, and shuffles (``common.tiered_offsets``), instead of probe rounds and then the
+#: segment's offsets. Per direction: the forward's rows each take a lookup of their own, the backward's
 #: walk rows and look up only where a segment ends. Measured on the H200 (NOTES row 113, two
 #: alternating rounds, us search -> one round): forward 3x8192 r4 c1 d512 16.9, 16.8 -> 16.3,
 #: 16.2; 3x8192 r4 c2 d512 29.1, 29.3 -> 28.8, 28.6; 3x8192 r4 c2 d128 9.0, 8.9 -> 8.8, 8.8;
