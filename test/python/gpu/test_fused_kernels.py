@@ -195,18 +195,17 @@ def test_segment_lookup_rounds(n_seg):
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("n_seg", sorted({1, 2} | {32 * 2 ** k + e for e in (-1, 0)
-                                                  for k in range(schedule.LOOKUP_ONE_ROUND_LOADS.bit_length())}))
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512)])
+@pytest.mark.parametrize("n_seg", sorted({1, 2} | {32 * 2 ** k + e for e in (-1, 0) for k in range(3)}))
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (16, 2, 256), (128, 1, 128)])
 def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
-    """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the forward's default; the backward's knob): the
-    window family's lookups in packs of fewer than 32 x ``LOOKUP_ONE_ROUND_LOADS`` segments by
-    one round of 1, 2, 4, ... loads per lane and shuffles, more by the search (segment counts
-    on both sides of each tier). Both directions, with empty, short and tail segments and
-    padding rows, so the walking backward also looks rows up mid-walk."""
+    """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the window forward's default; a knob elsewhere), set
+    to 4 for every kernel: lookups in packs of fewer than 128 segments by one round of 1, 2 or
+    4 loads per lane and shuffles, more by the search (segment counts on both sides of each
+    tier). Both directions of both families, with empty, short and tail segments and padding
+    rows, so the walking kernels also look rows up mid-walk."""
     from csa_frontend.compressor.kernels import dispatch
-    monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "fwd", 1)
-    monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "bwd", 1)
+    for knob in schedule.LOOKUP_ONE_ROUND:
+        monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, knob, 4)
     dispatch.clear_cache()
     try:
         g = torch.Generator().manual_seed(n_seg)

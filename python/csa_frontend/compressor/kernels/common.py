@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND_LOADS, LOOKUP_OVERLAPPED
+from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -216,6 +216,16 @@ class PoolingKernel:
         # SM instead of 4: 38 -> 48 us on the H200), for a lookup it makes once per CTA row.
         self.warp_rows = sched.family == "window" and sched.col_threads % 32 == 0
 
+    def one_round_loads(self, direction: str) -> int:
+        """The widest one-round row lookup (``tiered_offsets``) this kernel takes, 0 for the
+        search (``LOOKUP_ONE_ROUND``). Only where a whole warp shares its row: window kernels
+        with ``warp_rows``, stream kernels (CTA-wide rows)."""
+        if self.family == "window" and self.warp_rows:
+            return LOOKUP_ONE_ROUND[direction]
+        if self.family == "stream":
+            return LOOKUP_ONE_ROUND[f"stream_{direction}"]
+        return 0
+
 
 class RowsForward(PoolingKernel):
     """Forwards launched as groups of ``cta_rows()`` output rows x the schedule's column tiles,
@@ -378,12 +388,12 @@ def searched_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int
 
 
 @cute.jit
-def tiered_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, span: cutlass.Constexpr,
-                   loads: cutlass.Constexpr):
+def tiered_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp_rows: cutlass.Constexpr,
+                   span: cutlass.Constexpr, loads: cutlass.Constexpr, widest: cutlass.Constexpr):
     """``segment_offsets`` of a warp-shared row in one round of ``loads`` offsets per lane where
     the pack has fewer than ``32 * loads`` segments, else with twice the loads, up to
-    ``LOOKUP_ONE_ROUND_LOADS``, past which the search takes over. The fewest loads that cover
-    the pack: a lane's loads are paid by every row (NOTES row 114)."""
+    ``widest``, past which the search takes over. The fewest loads that cover the pack: a
+    lane's loads are paid by every row (NOTES row 114)."""
     n_real = Int32(0)
     t0 = Int32(0)
     lo = Int32(0)
@@ -392,10 +402,10 @@ def tiered_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32
     if n_seg < 32 * loads:
         n_real, t0, lo, hi, t1 = segment_offsets_one_round(mCu, mCuC, n_seg, row, span, loads)
     else:
-        if cutlass.const_expr(2 * loads <= LOOKUP_ONE_ROUND_LOADS):
-            n_real, t0, lo, hi, t1 = tiered_offsets(mCu, mCuC, n_seg, row, span, 2 * loads)
+        if cutlass.const_expr(2 * loads <= widest):
+            n_real, t0, lo, hi, t1 = tiered_offsets(mCu, mCuC, n_seg, row, warp_rows, span, 2 * loads, widest)
         else:
-            n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, True, span)
+            n_real, t0, lo, hi, t1 = searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
     return n_real, t0, lo, hi, t1
 
 
@@ -405,21 +415,22 @@ def segment_offsets(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int3
     """(``cu_seqlens_comp[n_seg]``, first token, first row, end row, end token) of ``row``'s
     segment; the last two only with ``span`` (else 0). The search runs for padding rows too (it
     lands on some segment in range; callers override), so the padding test's load does not gate
-    it (``LOOKUP_OVERLAPPED``). With ``warp_rows`` and ``one_round``, packs of few segments take
-    one round of loads instead (``tiered_offsets``)."""
-    if cutlass.const_expr(warp_rows and one_round):
-        return tiered_offsets(mCu, mCuC, n_seg, row, span, 1)
+    it (``LOOKUP_OVERLAPPED``). With ``one_round`` (the widest loads per lane, 0: none; only
+    where the whole warp shares ``row``), packs of few segments take one round of loads instead
+    (``tiered_offsets``)."""
+    if cutlass.const_expr(one_round > 0):
+        return tiered_offsets(mCu, mCuC, n_seg, row, warp_rows, span, 1, one_round)
     else:
         return searched_offsets(mCu, mCuC, n_seg, row, warp_rows, span)
 
 
 @cute.jit
 def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
-              warp_rows: cutlass.Constexpr = False, one_round: cutlass.Constexpr = False):
+              warp_rows: cutlass.Constexpr = False, one_round: cutlass.Constexpr = 0):
     """(first token, block index) of ``row``; padding rows pool segment 0's first block.
     ``warp_rows``: every lane of the warp has this ``row`` and calls together (then the
-    search is ``find_segment_warp``; with ``one_round``, one round of loads for few segments,
-    ``LOOKUP_ONE_ROUND``)."""
+    search is ``find_segment_warp``). ``one_round``: the widest one-round lookup for packs of
+    few segments (``PoolingKernel.one_round_loads``; 0: the search)."""
     t0 = Int32(0)
     blk = Int32(0)
     if cutlass.const_expr(LOOKUP_OVERLAPPED):
@@ -438,7 +449,7 @@ def row_start(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32,
 
 @cute.jit
 def row_span(mCu: cute.Tensor, mCuC: cute.Tensor, n_seg: Int32, row: Int32, warp_rows: cutlass.Constexpr = False,
-             one_round: cutlass.Constexpr = False):
+             one_round: cutlass.Constexpr = 0):
     """(first token, first row, end row, end token) of ``row``'s segment, for walking consecutive
     rows: rows before the end row need no new lookup. A padding row pools segment 0's first
     block and spans only itself. ``warp_rows``, ``one_round``: as for ``row_start``."""

@@ -707,25 +707,26 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: d128 fwd 5.3 -> 5.1; slower: 3x8192 r4 c1 d512 fwd 16.4 -> 16.8. Tuning knob (A/B),
 #: CSA_FRONTEND_LOOKUP_OVERLAPPED=0.
 LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
-#: Row lookups of the window family (a warp shares its row) in packs of fewer than 32 x
-#: ``LOOKUP_ONE_ROUND_LOADS`` segments: one round of loads, each lane both offsets of 1, 2 or 4
-#: indices, and shuffles (``common.tiered_offsets``), instead of probe rounds and then the
-#: segment's offsets. Per direction: the forward's rows each take a lookup of their own, the backward's
-#: walk rows and look up only where a segment ends. Measured on the H200 (NOTES row 113, two
-#: alternating rounds, us search -> one round): forward 3x8192 r4 c1 d512 16.9, 16.8 -> 16.3,
-#: 16.2; 3x8192 r4 c2 d512 29.1, 29.3 -> 28.8, 28.6; 3x8192 r4 c2 d128 9.0, 8.9 -> 8.8, 8.8;
-#: backward slower: 1x8192 r4 c2 d128 10.1, 10.0 -> 10.3, 10.2; 3x8192 r4 c2 d512 61.2, 61.0 ->
-#: 61.7, 61.3. Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=0,bwd=1".
-LOOKUP_ONE_ROUND = _per_direction({"fwd": 1, "bwd": 0}, "CSA_FRONTEND_LOOKUP_ONE_ROUND")
-#: The widest such round: each lane loads up to this many offsets of each array (a power of two;
-#: a pack takes the fewest loads that cover it), so packs of fewer than 32 x this many segments
-#: skip the search. Measured on the H200 (NOTES row 114, two alternating rounds, fwd us, 1 -> 4
-#: loads): 64x1000 r4 c2 d128 20.43, 20.39 -> 19.75, 19.80; 100x640 20.62, 20.71 -> 19.85,
-#: 19.88; 64x1024 r4 c2 d512 70.89, 71.02 -> 70.29, 70.35; at 2 loads 40x1600 20.25, 20.22 ->
-#: 19.57, 19.53 (4 loads: 19.72, 19.78; one lane's loads are paid by every row, so 4 loads for
-#: one segment cost 1x64000 19.5 -> 20.1). Tuning knob (A/B), e.g.
-#: CSA_FRONTEND_LOOKUP_ONE_ROUND_LOADS=1.
-LOOKUP_ONE_ROUND_LOADS = int(os.environ.get("CSA_FRONTEND_LOOKUP_ONE_ROUND_LOADS", "4"))
+#: Row lookups where a whole warp shares its row, in packs of few segments: one round of loads,
+#: each lane both offsets of 1, 2 or 4 indices (the fewest that cover the pack), ballots and
+#: shuffles (``common.tiered_offsets``), instead of probe rounds and then the segment's offsets.
+#: The value is the widest round in loads per lane (a power of two; 0: always the search), so
+#: packs of fewer than 32 x that many segments skip the search. Per kernel: ``fwd``/``bwd`` the
+#: window family (with ``warp_rows``), ``stream_fwd``/``stream_bwd`` the stream family (a CTA
+#: shares its row). Measured on the H200, two alternating rounds each:
+#: - NOTES row 113 (us, search -> one load): forward 3x8192 r4 c1 d512 16.9, 16.8 -> 16.3, 16.2;
+#:   3x8192 r4 c2 d512 29.1, 29.3 -> 28.8, 28.6; 3x8192 r4 c2 d128 9.0, 8.9 -> 8.8, 8.8. The
+#:   backward, which looks up only where its walk leaves a segment, slower: 1x8192 r4 c2 d128
+#:   10.1, 10.0 -> 10.3, 10.2; 3x8192 r4 c2 d512 61.2, 61.0 -> 61.7, 61.3.
+#: - NOTES row 114 (forward us, widest 1 -> 4): 64x1000 r4 c2 d128 20.43, 20.39 -> 19.75, 19.80;
+#:   100x640 20.62, 20.71 -> 19.85, 19.88; 64x1024 r4 c2 d512 70.89, 71.02 -> 70.29, 70.35; at 2
+#:   loads 40x1600 20.25, 20.22 -> 19.57, 19.53 (4 loads: 19.72, 19.78). One width for every
+#:   pack cost one segment 1x64000 19.5 -> 20.1 at 4 loads: a lane's loads are paid by every row.
+#: - The stream kernels: not yet measured (NOTES row 116; at one load the forward's ptxas count
+#:   goes 104 -> 106 registers, the same CTAs per SM).
+#: Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=1,bwd=1,stream_fwd=1,stream_bwd=1".
+LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 0, "stream_bwd": 0},
+                                  "CSA_FRONTEND_LOOKUP_ONE_ROUND")
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
 #: (a probe of NOTES row 103's second reading: a one-wave grid's threads run in lockstep and

@@ -130,7 +130,7 @@ class StreamBackward(BackwardKernel):
             staged = can_stage(vec)
             sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
             row = bx * rows_per_cta
-            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row)
+            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("bwd"))
             own0, has_prev = block_start(t0, row - lo, ratio, mKV.shape[0])
             if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
@@ -144,7 +144,7 @@ class StreamBackward(BackwardKernel):
                 n_blk = hi - lo
                 seg_end = t1
                 if nrow >= hi:
-                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, nrow)
+                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, nrow, False, self.one_round_loads("bwd"))
                 nown0, nhas_prev = block_start(t0, nrow - lo, ratio, mKV.shape[0])
                 slots = None
                 if cutlass.const_expr(staged):

@@ -125,7 +125,7 @@ class StreamForward(PoolingKernel):
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
-        t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row)
+        t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("fwd"))
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
         if cutlass.const_expr(staged):
             if row < n_rows and active:
@@ -137,7 +137,7 @@ class StreamForward(PoolingKernel):
         for it in cutlass.range(rows_per_cta, unroll=1):
             nrow = row + 1
             if nrow >= hi:
-                t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, nrow)
+                t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, nrow, False, self.one_round_loads("fwd"))
             nown0, nhas_prev = block_start(t0, nrow - lo, self.ratio, mKV.shape[0])
             slots = None
             if cutlass.const_expr(staged):

@@ -79,7 +79,7 @@ class WindowBackward(BackwardKernel):
             if interleaved != 0:
                 step = row_groups * lanes
                 row = bx * lanes + lane
-            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
+            t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, step, t0,
@@ -111,7 +111,7 @@ class WindowBackward(BackwardKernel):
                 seg_end = t1
                 row = row + step
                 if row >= hi:
-                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
+                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
                 if this_row < n_real and col_ok:
                     wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0,
                                                  has_prev, cv, ape_rows)
@@ -196,7 +196,7 @@ class WindowBackward(BackwardKernel):
             s0 = t0
             slo = lo
             if srow >= hi:
-                s0, slo, _, _ = row_span(mCu, mCuC, n_seg, srow, self.warp_rows, LOOKUP_ONE_ROUND["bwd"] == 1)
+                s0, slo, _, _ = row_span(mCu, mCuC, n_seg, srow, self.warp_rows, self.one_round_loads("bwd"))
             if col_ok:
                 own0, has_prev = block_start(s0, srow - slo, self.ratio, mKV.shape[0])
                 self.stage_row(mKV, mS, gGO, stage_slots(sBuf, stage, tidx), srow, own0, has_prev, cv)

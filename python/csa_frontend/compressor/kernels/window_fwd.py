@@ -25,7 +25,7 @@ from cutlass import BFloat16, Float32, Int32
 from .common import (LOG2E, RowsForward, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
                      load_window, mul_rn, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
-from .schedule import LOOKUP_ONE_ROUND, WINDOW_FWD_CHECKED
+from .schedule import WINDOW_FWD_CHECKED
 
 
 class WindowForward(RowsForward):
@@ -45,7 +45,7 @@ class WindowForward(RowsForward):
         row = bx * self.sched.row_lanes + tidx // ct
         n_seg = mCu.shape[0] - 1
         if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
-            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, LOOKUP_ONE_ROUND["fwd"] == 1)
+            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
             if cv < n_vec:
                 gA = cute.zipped_divide(mApe, (1, vec))
                 rS = cute.make_rmem_tensor((width, vec), Float32)
