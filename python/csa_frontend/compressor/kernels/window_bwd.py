@@ -24,7 +24,7 @@ from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_asyn
                      load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import FIRST_ROW_ALONE, LOOKUP_ONE_ROUND, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
+from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
