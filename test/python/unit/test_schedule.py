@@ -105,8 +105,8 @@ def test_odd_head_dim_keeps_scalar_window():
 @pytest.mark.parametrize("family_ratio", [4, 128])
 def test_rows_per_thread_boundaries(family_ratio):
     s = sch.choose_schedule(family_ratio, 2, 128, "bwd")
+    slab = sch.slab_bytes(family_ratio, 2, 128)
     for n_rows in [0, 1, 2, 7, 1000, 4095, 4096, 4097, 10 ** 5, 10 ** 6, 10 ** 7]:
-        slab = sch.slab_bytes(family_ratio, 2, 128)
         rpt = sch.bwd_rows_per_thread(n_rows, s, None, slab)
         groups = sch.bwd_row_groups(n_rows, s, rpt)
         per_cta = rpt if s.family == "stream" else rpt * s.row_lanes
@@ -393,8 +393,8 @@ def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
     s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
     few_sched = sch.few_rows_schedule(ratio, coff, head_dim)
     few = None if few_sched is None else ("few main", "few reduce", few_sched, 2)
+    slab = sch.slab_bytes(ratio, coff, head_dim)
     for n_rows in (0, 1, 63, 64, 65, 128, 129, 256, 257, 1000, 10 ** 6):
-        slab = sch.slab_bytes(ratio, coff, head_dim)
         main, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, "main", "reduce", s, 1, few, slab)
         if sch.takes_few_rows_schedule(n_rows, s, few_sched, 1):
             assert (main, reduce, sched, rpt) == few[:3] + (sch.bwd_rows_per_thread(n_rows, few_sched, 2, slab),)
