@@ -163,11 +163,11 @@ def test_wrapper_fast_path_gives_the_same_bits_and_falls_back_to_the_named_error
     assert len(api._fast_plans) == 2
     import tvm_ffi
     from csa_frontend.compressor.kernels import dispatch
-    fwd, sched, _, bulk, serial, _ = dispatch._kernels_for("fwd", pack.kv.device, ratio, 2, 128)
+    fwd, sched, _, bulk, serial, _, one_segment = dispatch._kernels_for("fwd", pack.kv.device, ratio, 2, 128)
     main, reduce, sched, _, few = dispatch._kernels_for("bwd", pack.kv.device, ratio, 2, 128)
     # launches skip the DSL's keyword wrapper (the backward's few-rows kernels too)
     entries = ((fwd, main, reduce) + (few[:2] if few is not None else ())
-               + (bulk[:1] if bulk is not None else ()) + (serial[:1] if serial is not None else ()))
+               + tuple(v[0] for v in (bulk, serial, one_segment) if v is not None))
     assert all(isinstance(f, tvm_ffi.Function) for f in entries)
     assert (few is None) == (ratio == 4)
 

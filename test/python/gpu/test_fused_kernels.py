@@ -201,21 +201,38 @@ def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
     """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the window forward's default; a knob elsewhere), set
     to 4 for every kernel: lookups in packs of fewer than 128 segments by one round of 1, 2 or
     4 loads per lane and shuffles, more by the search (segment counts on both sides of each
-    tier). Both directions of both families, with empty, short and tail segments and padding
-    rows, so the walking kernels also look rows up mid-walk."""
+    tier). Both directions of both families, each under its family's contract and bit for bit
+    against the search, with empty, short and tail segments and padding rows, so the walking
+    kernels also look rows up mid-walk."""
     from csa_frontend.compressor.kernels import dispatch
-    for knob in schedule.LOOKUP_ONE_ROUND:
-        monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, knob, 4)
-    dispatch.clear_cache()
+
+    def lookups(loads):
+        for knob in schedule.LOOKUP_ONE_ROUND:
+            monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, knob, loads)
+        dispatch.clear_cache()
+
+    g = torch.Generator().manual_seed(n_seg)
+    lengths = torch.randint(0, 3 * ratio * 8, (n_seg,), generator=g).tolist()
+    if n_seg > 1:
+        lengths[0], lengths[-1] = 0, ratio - 1
+    lengths[n_seg // 2] = 64 * ratio + 1  # past the serial forward's launches: the window forward runs
+    rows = sum(n // ratio for n in lengths) + 3
+    assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim,
+                                   generator=torch.Generator(device="cuda").manual_seed(n_seg))
+    grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
     try:
-        g = torch.Generator().manual_seed(n_seg)
-        lengths = torch.randint(0, 3 * ratio * 8, (n_seg,), generator=g).tolist()
-        if n_seg > 1:
-            lengths[0], lengths[-1] = 0, ratio - 1
-        lengths[n_seg // 2] = 64 * ratio + 1  # past the serial forward's launches: the window forward runs
-        rows = sum(n // ratio for n in lengths) + 3
-        assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
-        check_config(ratio, coff, head_dim, lengths, pad_rows=3, seed=n_seg)
+        results = {}
+        for loads in (0, 4):
+            lookups(loads)
+            results[loads] = (run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows),
+                              *run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim))
+        for name, searched, one_round in zip(("out", "grad_kv", "grad_score", "grad_ape"), *results.values()):
+            assert torch.equal(searched, one_round), f"{name}: the one-round lookup changed bits"
+        exact = {d: choose_schedule(ratio, coff, head_dim, d).family == "window" for d in ("fwd", "bwd")}
+        check_pack(ratio, coff, head_dim, lengths, pad_rows=3, seed=n_seg, extra_tokens=3,
+                   fwd_exact=exact["fwd"], bwd_exact=exact["bwd"])
     finally:
         dispatch.clear_cache()
 

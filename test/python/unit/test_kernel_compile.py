@@ -17,7 +17,7 @@ from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning  # noqa: E402
 
 from csa_frontend.compressor.kernels import dispatch  # noqa: E402
 from csa_frontend.compressor.kernels.schedule import (  # noqa: E402
-    bulk_forward_schedule, choose_schedule, few_rows_schedule, serial_forward_schedule)
+    LOOKUP_ONE_ROUND, bulk_forward_schedule, choose_schedule, few_rows_schedule, serial_forward_schedule)
 
 CONFIGS = [  # (ratio, coff, head_dim)
     (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
@@ -52,6 +52,9 @@ def compile_all(ratio, coff, head_dim, arch):
     # and the serial forward of small launches, for every configuration
     serial = serial_forward_schedule(ratio, coff, head_dim)
     assert serial is not None and ("fwd", arch, ratio, coff, head_dim, serial) in dispatch.cache_keys()
+    # and the stream forward of one-segment packs (its lookup by the search)
+    one_segment = ("fwd_one_segment", arch, ratio, coff, head_dim, fwd_sched) in dispatch.cache_keys()
+    assert one_segment == (fwd_sched.family == "stream" and LOOKUP_ONE_ROUND["stream_fwd"] > 0)
 
 
 @pytest.mark.L0

@@ -563,7 +563,7 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     seen = set()
     for rows in (1, 4000, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, 1, bulk, None, 132, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, None, 132, None, *inputs, out)
         assert args[:6] == inputs + (out,)
         per_cta = sch.bulk_forward_walk(rows, bulk_sched)
         if per_cta:
@@ -576,6 +576,30 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
             assert (fn, args[6:]) == ("own", ())
             seen.add("window")
     assert seen == routes
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (16, 2, 256), (4, 2, 128)])
+def test_forward_call_takes_the_one_segment_stream_forward(ratio, coff, head_dim):
+    """A stream forward's pack of exactly one segment runs the one-segment kernel with its own
+    CTAs per SM (``compile_forward_one_segment``); packs of 0 or 2+ segments, and every window
+    forward, run the default kernel."""
+    import torch
+
+    from csa_frontend.compressor.kernels import dispatch
+    sched = sch.choose_schedule(ratio, coff, head_dim, "fwd")
+    one = ("one", sched, 3)
+    kv, score, ape = (torch.empty(0, device="meta") for _ in range(3))
+    rows = 4000  # r16: 31 rows per CTA at 1 CTA per SM, 16 at 3
+    out = torch.empty(rows, head_dim, device="meta")
+    for n_seg in (0, 1, 2, 7):
+        cu = torch.empty(n_seg + 1, device="meta")
+        fn, args = dispatch.forward_call("own", sched, 1, None, None, 132, one, kv, score, ape, cu, cu, out)
+        if sched.family != "stream":
+            assert (fn, args) == ("own", (kv, score, ape, cu, cu, out))
+        elif n_seg == 1:
+            assert (fn, args[6:]) == ("one", (sch.fwd_rows_per_cta(rows, sched, 3, 132),))
+        else:
+            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1, 132),))
 
 
 def test_serial_forward_takes_small_launches(monkeypatch):
@@ -610,8 +634,8 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
     edge = sch.SERIAL_FWD_MAX_OUTPUTS // head_dim
     for rows in (1, edge, edge + 1, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
-        fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, 132, *inputs, out)
-        with_serial_off = dispatch.forward_call("own", sched, 1, bulk, None, 132, *inputs, out)
+        fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, 132, None, *inputs, out)
+        with_serial_off = dispatch.forward_call("own", sched, 1, bulk, None, 132, None, *inputs, out)
         if rows <= edge:
             assert (fn, args) == ("serial", inputs + (out,))
         else:

@@ -8,6 +8,7 @@ is never contracted, so the products whose rounding the numerics contract fixes 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -202,8 +203,10 @@ class PoolingKernel:
 
     family = ""
 
-    def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False, pdl: bool = False):
+    def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False, pdl: bool = False,
+                 lookup_loads: Optional[int] = None):
         assert sched.family == self.family, (sched.family, self.family)
+        self.lookup_loads = lookup_loads  # overrides ``one_round_loads`` (a variant for some packs)
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
         self.vec = sched.vec
         self.n_vec = head_dim // sched.vec
@@ -219,7 +222,9 @@ class PoolingKernel:
     def one_round_loads(self, direction: str) -> int:
         """The widest one-round row lookup (``tiered_offsets``) this kernel takes, 0 for the
         search (``LOOKUP_ONE_ROUND``). Only where a whole warp shares its row: window kernels
-        with ``warp_rows``, stream kernels (CTA-wide rows)."""
+        with ``warp_rows``, stream kernels (CTA-wide rows); ``lookup_loads`` where given."""
+        if self.lookup_loads is not None:
+            return self.lookup_loads
         if self.family == "window" and self.warp_rows:
             return LOOKUP_ONE_ROUND[direction]
         if self.family == "stream":

@@ -2,8 +2,9 @@
 
 Kernels are compiled through TVM-FFI against symbolic token / row / segment counts, so one
 compiled function per static configuration serves every pack (the stream backward has two,
-one per row-count bucket; every forward has the serial one for small launches, and the coff-2
-wide-head forward on sm_90+ the bulk-copy one too; each set compiled together); calls then
+one per row-count bucket; every forward has the serial one for small launches, the coff-2
+wide-head forward on sm_90+ the bulk-copy one too, and the stream forward one for packs of one
+segment; each set compiled together); calls then
 pass torch tensors straight through (no per-call DLPack wrapping) on the environment (current
 torch) stream.
 The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
@@ -23,6 +24,7 @@ import torch
 from .cubin import registers
 from .schedule import (
     ASSUMED_REGISTERS,
+    LOOKUP_ONE_ROUND,
     PDL,
     Schedule,
     ape_split,
@@ -70,7 +72,8 @@ def unsupported_reason(ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 def cache_keys():
     """The static configurations compiled so far: ``(direction, arch, ratio, coff, head_dim,
-    schedule)`` with direction in {fwd, bwd, bwd_atomic} (for tests and diagnostics)."""
+    schedule)`` with direction in {fwd, fwd_one_segment, bwd, bwd_atomic} (for tests and
+    diagnostics)."""
     with _lock:
         return list(_cache)
 
@@ -165,8 +168,10 @@ def uses_pdl(arch: Optional[str]) -> bool:
     return PDL and arch_number(arch) >= 90
 
 
-def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str]):
-    """(compiled forward, its schedule, CTAs per SM: the stream forward's residency, else 0)."""
+def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str],
+                   lookup_loads: Optional[int] = None):
+    """(compiled forward, its schedule, CTAs per SM: the stream forward's residency, else 0).
+    ``lookup_loads``: the stream forward's row lookup, where not ``LOOKUP_ONE_ROUND``'s."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -188,8 +193,8 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         family = WindowForward if sched.family == "window" else SerialForward
         fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
         return fn, sched, 0
-    fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
-                                   stream, arch=arch)
+    fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
+                                   *args, cutlass.Int32(1), stream, arch=arch)
     return fn, sched, per_sm
 
 
@@ -233,13 +238,28 @@ def _compile_forward_schedule(ratio: int, coff: int, head_dim: int, arch: Option
 
 def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled forward, schedule, CTAs per SM) of the default schedule. The bulk-copy forward
-    (``bulk_forward_schedule``), where the planner has one for ``arch``, and the serial forward
-    of small launches (``serial_forward_schedule``) are compiled too, so no row count ever
-    compiles later (``compile_forward_bulk``, ``compile_forward_serial``)."""
+    (``bulk_forward_schedule``), where the planner has one for ``arch``, the serial forward of
+    small launches (``serial_forward_schedule``) and the stream forward of one-segment packs
+    (``compile_forward_one_segment``) are compiled too, so no pack ever compiles later
+    (``compile_forward_bulk``, ``compile_forward_serial``)."""
     fwd = _compile_forward_schedule(ratio, coff, head_dim, arch, choose_schedule(ratio, coff, head_dim, "fwd"))
     compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+    compile_forward_one_segment(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     return fwd
+
+
+def compile_forward_one_segment(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
+    """(compiled stream forward for packs of one segment, schedule, CTAs per SM), or None where
+    the default forward serves them too (window family; stream lookups by the search). A
+    one-segment pack's rows need no lookup round, and the one-round lookup's code alone (4
+    more registers) cost those forwards up to 0.4 us on the H200 (NOTES row 117), so they keep
+    the search."""
+    sched = choose_schedule(ratio, coff, head_dim, "fwd")
+    if sched.family != "stream" or not LOOKUP_ONE_ROUND["stream_fwd"]:
+        return None
+    key = ("fwd_one_segment", arch, ratio, coff, head_dim, sched)
+    return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch, lookup_loads=0))
 
 
 def compile_forward_serial(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
@@ -328,6 +348,7 @@ class ForwardKernels(NamedTuple):
     bulk: Any  # the bulk-copy forward's (fn, schedule, 0), or None
     serial: Any  # the serial forward's (fn, schedule, 0), or None
     sms: int  # the device's SMs: the stream forward's wave is counted on them
+    one_segment: Any  # the stream forward for one-segment packs (fn, schedule, CTAs per SM), or None
 
 
 class BackwardKernels(NamedTuple):
@@ -350,9 +371,11 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
             fns = compile_forward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             bulk = compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
             serial = compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
-            direct = ForwardKernels(*_direct_entries(fns),
-                                    *(None if f is None else _direct_entries(f) for f in (bulk, serial)),
-                                    torch.cuda.get_device_properties(device).multi_processor_count)
+            one_segment = compile_forward_one_segment(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
+            variant = lambda f: None if f is None else _direct_entries(f)
+            direct = ForwardKernels(*_direct_entries(fns), variant(bulk), variant(serial),
+                                    torch.cuda.get_device_properties(device).multi_processor_count,
+                                    variant(one_segment))
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
@@ -375,11 +398,13 @@ def _needs_guard(device: torch.device, stream) -> bool:
     return stream is not None or device.index != _current_device()
 
 
-def forward_call(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
+def forward_call(fn, sched, per_sm, bulk, serial, sms, one_segment, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                 out):
     """(compiled function, its arguments) of one forward launch: the serial kernel for launches
     of few output elements (``takes_serial_forward``), the bulk-copy kernel where the row count
     gives its CTAs enough stages (``bulk_forward_walk``), else the schedule's own (``per_sm``:
-    its CTAs per SM, which with the device's ``sms`` size a stream forward's grid)."""
+    its CTAs per SM, which with the device's ``sms`` size a stream forward's grid), or for a
+    pack of one segment ``one_segment`` where given."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
     if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1]):
@@ -388,13 +413,14 @@ def forward_call(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlen
     if per_cta:
         return bulk[0], args + (per_cta,)
     if sched.family == "stream":
+        if one_segment is not None and cu_seqlens.shape[0] == 2:
+            fn, _, per_sm = one_segment
         return fn, args + (fwd_rows_per_cta(rows, sched, per_sm, sms),)
     return fn, args
 
 
-def _launch_forward(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
-    call, args = forward_call(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp,
-                              out)
+def _launch_forward(*kernels_and_tensors):
+    call, args = forward_call(*kernels_and_tensors)
     call(*args)
 
 
@@ -467,7 +493,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)`` on the current stream."""
-    fn, sched, per_sm, bulk, serial, sms = _kernels_for("fwd", device, ratio, coff, head_dim)
+    kernels = _kernels_for("fwd", device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out):
@@ -476,7 +502,7 @@ def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int)
         if _current_device() != index:
             return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=ratio, coff=coff,
                            head_dim=head_dim)
-        _launch_forward(fn, sched, per_sm, bulk, serial, sms, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        _launch_forward(*kernels, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     return launch
 
 

@@ -722,10 +722,15 @@ LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #:   100x640 20.62, 20.71 -> 19.85, 19.88; 64x1024 r4 c2 d512 70.89, 71.02 -> 70.29, 70.35; at 2
 #:   loads 40x1600 20.25, 20.22 -> 19.57, 19.53 (4 loads: 19.72, 19.78). One width for every
 #:   pack cost one segment 1x64000 19.5 -> 20.1 at 4 loads: a lane's loads are paid by every row.
-#: - The stream kernels: not yet measured (NOTES row 116; at one load the forward's ptxas count
-#:   goes 104 -> 106 registers, the same CTAs per SM).
+#: - NOTES rows 116-117, the stream kernels (us, search -> 4 loads): forward 100x1311 r128 c1
+#:   d128 21.2, 21.2 -> 20.2, 20.3; 48x2048 r32 c2 d256 54.1, 54.0 -> 53.2, 53.0; 4x8192 r16 c2
+#:   d256 21.0, 20.6 -> 20.4, 20.4; backward 48x2048 115.8, 115.2 -> 114.6, 114.4; 16x2048 r16
+#:   42.1, 42.2 -> 41.6, 41.5; 1x8192 r128 c2 d128 11.15, 11.12 -> 10.80, 10.79. The forward of
+#:   one-segment packs lost (1x131072 r128 c1 d128 19.2, 19.2 -> 19.5, 19.4), from the code
+#:   alone (4 more registers; searching one-segment packs inside it did not recover it), so
+#:   those packs run a forward compiled with the search (``dispatch.compile_forward_one_segment``).
 #: Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=1,bwd=1,stream_fwd=1,stream_bwd=1".
-LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 0, "stream_bwd": 0},
+LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 4, "stream_bwd": 4},
                                   "CSA_FRONTEND_LOOKUP_ONE_ROUND")
 #: Register-window backward: odd row lanes sleep about this many nanoseconds after their first
 #: row has landed, so half the warps of every CTA walk their rows shifted against the other half
