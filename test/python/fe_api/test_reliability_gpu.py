@@ -67,11 +67,14 @@ def fresh_kernel_cache(monkeypatch):
 def _keys_by_config():
     """{(direction, ratio, coff, head_dim): [keys]} of the kernel cache, checking each key's layout
     (direction, arch, ratio, coff, head_dim, schedule) against the configuration it names
-    (direction "fwd", "bwd" or "bwd_atomic", the deterministic=False variant of "bwd")."""
+    (direction "fwd", "bwd" or "bwd_atomic", the deterministic=False variant of "bwd"; the
+    stream forward for one-segment packs, "fwd_one_segment", is grouped with "fwd")."""
     arch = dispatch.arch_of(torch.device("cuda"))
     grouped = {}
     for key in dispatch.cache_keys():
         direction, key_arch, ratio, coff, head_dim, sched = key
+        if direction == "fwd_one_segment":
+            direction = "fwd"
         if direction == "fwd":  # the bulk-copy forward (where the planner has one) and the serial one compile with it
             planned = {choose_schedule(ratio, coff, head_dim, "fwd"),
                        bulk_forward_schedule(ratio, coff, head_dim, arch),
@@ -98,7 +101,9 @@ def test_concurrent_mixed_configurations_compile_each_once(fresh_kernel_cache, c
     arch = dispatch.arch_of(torch.device("cuda"))
     for (direction, *cfg), per_config in grouped.items():  # one key per direction and schedule
         if direction == "fwd":
-            extra = (bulk_forward_schedule(*cfg, arch) is not None) + (serial_forward_schedule(*cfg) is not None)
+            extra = ((bulk_forward_schedule(*cfg, arch) is not None) + (serial_forward_schedule(*cfg) is not None)
+                     + (dispatch.compile_forward_one_segment(ratio=cfg[0], coff=cfg[1], head_dim=cfg[2], arch=arch)
+                        is not None))
         else:
             extra = few_rows_schedule(*cfg) is not None
         assert len(per_config) == 1 + extra, (direction, cfg, per_config)
