@@ -4,9 +4,8 @@ Kernels are compiled through TVM-FFI against symbolic token / row / segment coun
 compiled function per static configuration serves every pack (the stream backward has two,
 one per row-count bucket; every forward has the serial one for small launches, the coff-2
 wide-head forward on sm_90+ the bulk-copy one too, and the stream forward one for packs of one
-segment; each set compiled together); calls then
-pass torch tensors straight through (no per-call DLPack wrapping) on the environment (current
-torch) stream.
+segment; each set compiled together); calls then pass torch tensors straight through (no
+per-call DLPack wrapping) on the environment (current torch) stream.
 The cache is process-wide, keyed on exactly the static facts, and guarded by a lock so
 concurrent first calls compile once.
 """
@@ -240,8 +239,7 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
     """(compiled forward, schedule, CTAs per SM) of the default schedule. The bulk-copy forward
     (``bulk_forward_schedule``), where the planner has one for ``arch``, the serial forward of
     small launches (``serial_forward_schedule``) and the stream forward of one-segment packs
-    (``compile_forward_one_segment``) are compiled too, so no pack ever compiles later
-    (``compile_forward_bulk``, ``compile_forward_serial``)."""
+    (``compile_forward_one_segment``) are compiled too, so no pack ever compiles later."""
     fwd = _compile_forward_schedule(ratio, coff, head_dim, arch, choose_schedule(ratio, coff, head_dim, "fwd"))
     compile_forward_bulk(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     compile_forward_serial(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
