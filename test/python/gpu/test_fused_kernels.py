@@ -515,37 +515,6 @@ def test_stream_deterministic():
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("ratio,coff,head_dim,few", [(128, 1, 128, False), (128, 2, 512, False), (64, 1, 512, False),
-                                                     (16, 2, 256, False), (128, 2, 128, True), (256, 2, 192, False),
-                                                     (32, 2, 64, True)])
-def test_stream_backward_column_groups(monkeypatch, groups, ratio, coff, head_dim, few):
-    """``STREAM_BWD_COLUMN_GROUPS`` (knob): the stream backward with its column threads split
-    into groups that meet at named barriers, on the default schedule and (``few``) the few-rows
-    one: the tolerance contract on ragged edge packs with padding rows, and the same bits on a
-    second run."""
-    from csa_frontend.compressor.kernels import dispatch
-    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_GROUPS", groups)
-    if not few:
-        monkeypatch.setattr(schedule, "STREAM_BWD_FEW_ROWS", 0)
-    sched = schedule.few_rows_schedule(ratio, coff, head_dim) if few else choose_schedule(ratio, coff, head_dim, "bwd")
-    if schedule.bwd_column_groups(sched) != groups:
-        pytest.skip(f"{groups} column groups do not fit {sched}")
-    dispatch.clear_cache()
-    try:
-        lengths = stream_edge_lengths(ratio) * 2
-        check_stream_config(ratio, coff, head_dim, lengths, pad_rows=3, seed=groups + ratio)
-        cu, comp = offsets(lengths, ratio)
-        kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
-        grad_out = torch.randn(int(comp[-1]), head_dim, device="cuda").to(torch.bfloat16)
-        first, second = (run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim) for _ in range(2))
-        for a, b in zip(first, second):
-            assert torch.equal(a, b)
-    finally:
-        dispatch.clear_cache()
-
-
-@pytest.mark.L1
 @pytest.mark.parametrize("n_slab", [1, 5, 31, 32, 33, 250, 256, 600, 1500])
 def test_slab_reduction_order(n_slab):
     """``ape_reduce`` sums the slabs in its documented order, bit for bit, whatever the slab

@@ -333,28 +333,6 @@ def test_one_round_tiers_up_to_the_widest(loads, monkeypatch, tmp_path):
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("ratio,coff,head_dim,groups,per_row", [(128, 1, 128, 1, 4), (128, 1, 128, 2, 2),
-                                                                (128, 2, 512, 4, 2), (16, 2, 256, 2, 2)])
-def test_column_groups_meet_at_named_barriers(ratio, coff, head_dim, groups, per_row, monkeypatch, tmp_path):
-    """``STREAM_BWD_COLUMN_GROUPS``: the stream backward's row phases synchronise each column
-    group at its own named barrier over the group's threads (``bar.sync %r, threads / groups``),
-    never the CTA's barrier 0; one group (the default) keeps barrier 0. ``per_row``: 4 where
-    one warp combines for the group (16 warps), else 2."""
-    from csa_frontend.compressor.kernels import schedule
-
-    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_GROUPS", groups)
-    sched = choose_schedule(ratio, coff, head_dim, "bwd")
-    assert schedule.bwd_column_groups(sched) == groups
-    ptx = planned_kernel_ptx(ratio, coff, head_dim, "bwd", monkeypatch, tmp_path)
-    cta = re.findall(r"\bbar\.sync\s+0;", ptx)
-    named = re.findall(r"\bbar\.sync\s+%r\d+,\s*(\d+);", ptx)
-    if groups == 1:
-        assert len(cta) == per_row and not named
-    else:
-        assert not cta and named == [str(sched.threads // groups)] * per_row
-
-
-@pytest.mark.L1
 def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
     ``nanosleep`` of that length, after the first row's wait."""

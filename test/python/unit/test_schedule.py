@@ -402,41 +402,6 @@ def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
             assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1, slab))
 
 
-STREAM_CONFIGS = [(128, 2, 512), (128, 1, 128), (64, 1, 512), (16, 2, 256), (128, 2, 128), (256, 2, 192),
-                  (32, 1, 64), (200, 2, 192), (16, 1, 130), (256, 2, 4096), (33, 1, 66), (64, 2, 8)]
-
-
-@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8, 64])
-def test_stream_backward_column_groups_are_whole_warps(monkeypatch, groups):
-    """``STREAM_BWD_COLUMN_GROUPS``: where it applies, the column threads split evenly, every
-    group is whole warps (at least two) of whole chunk lanes of at most 32 columns, and its warps
-    cover all chunks; elsewhere the CTA-wide layout (1). The once-per-group combine and the
-    shared partials count one group's warps. On by the knob for the SPEC rows at 2 and 4."""
-    monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_GROUPS", groups)
-    for ratio, coff, head_dim in STREAM_CONFIGS:
-        for sched in (sch.choose_schedule(ratio, coff, head_dim, "bwd"), sch.few_rows_schedule(ratio, coff, head_dim)):
-            if sched is None or sched.family != "stream":
-                continue
-            g, wct = sch.bwd_column_groups(sched), sch.bwd_warp_cols(sched)
-            assert g in (1, groups) and g * wct == sched.col_threads
-            warps = sch.bwd_warp_groups(sched)
-            if g == 1:
-                assert warps == sch.warp_groups(sched)
-                continue
-            group_threads = wct * sched.row_lanes
-            assert wct <= 32 and group_threads % 32 == 0 and group_threads >= 64 and g * group_threads == sched.threads
-            assert warps * sch.chunks_per_warp(wct) == sched.row_lanes
-            assert sch.combines_once_per_cta(sched) is (1 < sch.STREAM_BWD_COMBINE_GROUPS <= warps)
-            monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_GROUPS", 1)
-            whole_cta = sch.stream_shared_bytes(sched, "bwd")
-            monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_GROUPS", groups)
-            assert sch.stream_shared_bytes(sched, "bwd") <= whole_cta  # no more partials per column
-    for ratio, coff, head_dim in [(128, 2, 512), (128, 1, 128), (64, 1, 512), (16, 2, 256)]:
-        g = sch.bwd_column_groups(sch.choose_schedule(ratio, coff, head_dim, "bwd"))
-        assert g == groups if groups in (2, 4) else g in (1, groups)
-    assert groups != 3 or all(sch.bwd_column_groups(sch.choose_schedule(*cfg, "bwd")) == 1 for cfg in STREAM_CONFIGS)
-
-
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [
     (128, 2, 512, True), (128, 1, 128, True), (64, 1, 512, True), (256, 2, 192, True),  # 16+ warp groups
     (16, 2, 256, False), (32, 1, 64, False)])  # 256-thread CTAs of 8 or fewer groups

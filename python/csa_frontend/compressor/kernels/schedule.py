@@ -395,51 +395,13 @@ def warp_groups(sched: "Schedule") -> int:
     return sched.row_lanes // chunks_per_warp(sched.col_threads)
 
 
-#: Stream backward: the CTA's column threads split into this many column groups, each holding
-#: every chunk of its columns in whole warps of ``col_threads / groups`` columns x ``32 * groups /
-#: col_threads`` chunks, so a row's reductions stay inside a group and its barrier phases
-#: synchronise the group (a named barrier) instead of the whole CTA: the groups drift apart and
-#: fill each other's barrier waits (NOTES row 70: barrier 16% of the stall samples), and each
-#: column combines fewer warp partials through shared memory, at the cost of more shuffles per
-#: warp. 1 (the default): the CTA-wide layout. Used only where it makes whole groups of at least
-#: two warps (``bwd_column_groups``), else 1. Tuning knob (A/B),
-#: CSA_FRONTEND_STREAM_BWD_COLUMN_GROUPS; not yet measured (NOTES row 119).
-STREAM_BWD_COLUMN_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COLUMN_GROUPS", "1"))
-
-
-def bwd_column_groups(sched: "Schedule") -> int:
-    """Column groups of the stream backward of ``sched``: ``STREAM_BWD_COLUMN_GROUPS`` where it
-    divides the column threads into groups of whole warps (at least two, so the once-per-CTA
-    combine has its T warp) whose warps hold whole chunk lanes of at most 32 columns; else 1."""
-    groups = STREAM_BWD_COLUMN_GROUPS
-    if groups <= 1 or sched.family != "stream" or sched.col_threads % groups:
-        return 1
-    warp_cols = sched.col_threads // groups
-    group_threads = warp_cols * sched.row_lanes
-    if warp_cols > 32 or sched.row_lanes % chunks_per_warp(warp_cols) or group_threads % 32 or group_threads < 64:
-        return 1
-    return groups
-
-
-def bwd_warp_cols(sched: "Schedule") -> int:
-    """Stream backward: the column threads of one warp (of its column group)."""
-    return sched.col_threads // bwd_column_groups(sched)
-
-
-def bwd_warp_groups(sched: "Schedule") -> int:
-    """Stream backward: warps across one column group's window chunks, i.e. the partials per
-    column combined through shared memory (``warp_groups`` with one column group)."""
-    return sched.row_lanes // chunks_per_warp(bwd_warp_cols(sched))
-
-
 def combines_once_per_cta(sched: "Schedule") -> bool:
-    """Whether the stream backward of ``sched`` combines its warp partials once per column group
-    (its warps 0 and 1; one group: the CTA) rather than in every warp
-    (``STREAM_BWD_COMBINE_GROUPS``). Only where one warp spans every column thread of its group:
-    at more than 32 (knob-made CTAs of 1024 threads) warp 0 would combine half the columns and
-    the others would read stale results."""
-    groups = bwd_warp_groups(sched)
-    return bwd_warp_cols(sched) <= 32 and groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
+    """Whether the stream backward of ``sched`` combines its warp partials once per CTA (warps 0
+    and 1) rather than in every warp (``STREAM_BWD_COMBINE_GROUPS``). Only where one warp spans
+    every column thread: at more than 32 (knob-made CTAs of 1024 threads) warp 0 would combine
+    half the columns and the others would read stale results."""
+    groups = warp_groups(sched)
+    return sched.col_threads <= 32 and groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
 
 
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
@@ -587,8 +549,7 @@ def stream_shared_bytes(sched: Schedule, direction: str) -> int:
     score rows, + a grad_out row backward, x threads x ``vec`` bf16; none at vec 1) and the warp
     partials: forward (max, d, a) x 2 row parities x warp groups x the tile's columns, backward
     (max, den, T) x groups x columns plus the combined row where one warp combines."""
-    vec, cols = sched.vec, sched.col_threads * sched.vec
-    groups = warp_groups(sched) if direction == "fwd" else bwd_warp_groups(sched)
+    vec, cols, groups = sched.vec, sched.col_threads * sched.vec, warp_groups(sched)
     rows = 2 * sched.chunk + (0 if direction == "fwd" else 1)
     total = _aligned(2 * rows * sched.threads * vec * 2) if vec >= 2 else 0
     if direction == "fwd":

@@ -27,8 +27,7 @@ from cutlass.memory import SmemAllocator
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
                      div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots, store_partial,
                      zero_fill_cta, zero_tokens)
-from .schedule import (FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, bwd_column_groups, bwd_warp_cols, bwd_warp_groups,
-                       chunks_per_warp, combines_once_per_cta)
+from .schedule import FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -89,16 +88,6 @@ def combine_and_publish(sX: cute.Tensor, rOut: cute.Tensor, sFinal: cute.Tensor,
         sFinal[slot, col, None].store(rOut.load())
 
 
-@cute.jit
-def sync_group(grp: Int32, n_groups: cutlass.Constexpr, group_threads: cutlass.Constexpr):
-    """The barrier of a row phase: the CTA's (one group), else column group ``grp``'s named
-    barrier (ids 1, 2, ...; 0 is the CTA's) over its ``group_threads`` threads."""
-    if cutlass.const_expr(n_groups == 1):
-        cute.arch.sync_threads()
-    else:
-        cute.arch.barrier(barrier_id=grp + 1, number_of_threads=group_threads)
-
-
 class StreamBackward(BackwardKernel):
     family = "stream"
 
@@ -112,19 +101,8 @@ class StreamBackward(BackwardKernel):
         fast = STREAM_BWD_FAST_MATH
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
-        # column groups (``bwd_column_groups``): group ``grp`` holds the column threads from
-        # grp * wct on, with every chunk; ``tg`` is the thread's index in its group (one group:
-        # the CTA's)
-        n_groups, wct = bwd_column_groups(self.sched), bwd_warp_cols(self.sched)
-        tg = tidx
-        grp = Int32(0)
         col = tidx % ct
         c = tidx // ct
-        if cutlass.const_expr(n_groups > 1):
-            tg = tidx % (wct * n_chunks)
-            grp = tidx // (wct * n_chunks)
-            col = grp * wct + tg % wct
-            c = tg // wct
         cv = by * ct + col
         col_ok = cv < n_vec
         n_seg = mCu.shape[0] - 1
@@ -134,8 +112,8 @@ class StreamBackward(BackwardKernel):
         gGO = cute.zipped_divide(mGO, (1, vec))
         if bx < row_groups:
             threads = self.sched.threads
-            per_warp = chunks_per_warp(wct)
-            groups = bwd_warp_groups(self.sched)
+            per_warp = chunks_per_warp(ct)
+            groups = warp_groups(self.sched)
             sMax, sDen, sT = warp_group_buffers(groups, ct, vec)
             cta_combine = combines_once_per_cta(self.sched)
             sFinal = None
@@ -201,19 +179,19 @@ class StreamBackward(BackwardKernel):
                     rM = cute.make_rmem_tensor((vec,), Float32)
                     # (1) window max: over the thread's chunk, the warp's chunks, then the groups
                     for v in cutlass.range_constexpr(vec):
-                        rM[v] = warp_chunks_max(rS, v, chunk, wct)
+                        rM[v] = warp_chunks_max(rS, v, chunk, ct)
                     if lead:
                         sMax[g_idx, col, None].store(rM.load())
-                    sync_group(grp, n_groups, wct * n_chunks)
+                    cute.arch.sync_threads()
                     if cutlass.const_expr(cta_combine):
                         # one warp combines for the CTA (every warp would get the same bits), the
                         # others read its result: fewer shared loads and shuffles, one barrier more
-                        if tg < 32:
-                            combine_and_publish(sMax, rM, sFinal, 0, col, lane_chunk, groups, per_warp, wct, vec, True)
-                        sync_group(grp, n_groups, wct * n_chunks)
+                        if tidx < 32:
+                            combine_and_publish(sMax, rM, sFinal, 0, col, lane_chunk, groups, per_warp, ct, vec, True)
+                        cute.arch.sync_threads()
                         rM.store(sFinal[0, col, None].load())
                     else:
-                        combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, wct, vec, True)
+                        combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
                     # (2) e, den and T = sum e * dp with dp = g * kv (kept in rX for the gradients)
                     rD = cute.make_rmem_tensor((vec,), Float32)
                     rT = cute.make_rmem_tensor((vec,), Float32)
@@ -228,22 +206,22 @@ class StreamBackward(BackwardKernel):
                             rX[i, v] = dp
                             d = add_in_order(d, e, i == 0)
                             t = add_in_order(t, product(e, dp, fast), i == 0)
-                        rD[v], rT[v] = warp_chunks_sum(d, t, wct)
+                        rD[v], rT[v] = warp_chunks_sum(d, t, ct)
                     if lead:
                         sDen[g_idx, col, None].store(rD.load())
                         sT[g_idx, col, None].store(rT.load())
-                    sync_group(grp, n_groups, wct * n_chunks)
+                    cute.arch.sync_threads()
                     if cutlass.const_expr(cta_combine):
-                        if tg < 32:
-                            combine_and_publish(sDen, rD, sFinal, 1, col, lane_chunk, groups, per_warp, wct, vec, False)
-                        elif tg < 64:
-                            combine_and_publish(sT, rT, sFinal, 2, col, lane_chunk, groups, per_warp, wct, vec, False)
-                        sync_group(grp, n_groups, wct * n_chunks)
+                        if tidx < 32:
+                            combine_and_publish(sDen, rD, sFinal, 1, col, lane_chunk, groups, per_warp, ct, vec, False)
+                        elif tidx < 64:
+                            combine_and_publish(sT, rT, sFinal, 2, col, lane_chunk, groups, per_warp, ct, vec, False)
+                        cute.arch.sync_threads()
                         rD.store(sFinal[1, col, None].load())
                         rT.store(sFinal[2, col, None].load())
                     else:
-                        combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, wct, vec, False)
-                        combine_groups(sT, rT, col, lane_chunk, groups, per_warp, wct, vec, False)
+                        combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
+                        combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
                     # (3) p = e / den, S = T / den, and the gradients in the reference's order
                     rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
                     rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
