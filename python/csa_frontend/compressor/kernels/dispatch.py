@@ -250,7 +250,7 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
 def compile_forward_one_segment(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled stream forward for packs of one segment, schedule, CTAs per SM), or None where
     the default forward serves them too (window family; stream lookups by the search). A
-    one-segment pack's rows need no lookup round, and the one-round lookup's code alone (4
+    one-segment pack's rows need no lookup round, and the one-round lookup's code alone (2-6
     more registers) cost those forwards up to 0.4 us on the H200 (NOTES row 117), so they keep
     the search."""
     sched = choose_schedule(ratio, coff, head_dim, "fwd")

@@ -727,7 +727,7 @@ LOOKUP_OVERLAPPED = os.environ.get("CSA_FRONTEND_LOOKUP_OVERLAPPED", "1") == "1"
 #:   d256 21.0, 20.6 -> 20.4, 20.4; backward 48x2048 115.8, 115.2 -> 114.6, 114.4; 16x2048 r16
 #:   42.1, 42.2 -> 41.6, 41.5; 1x8192 r128 c2 d128 11.15, 11.12 -> 10.80, 10.79. The forward of
 #:   one-segment packs lost (1x131072 r128 c1 d128 19.2, 19.2 -> 19.5, 19.4), from the code
-#:   alone (4 more registers; searching one-segment packs inside it did not recover it), so
+#:   alone (2-6 more registers; searching one-segment packs inside it did not recover it), so
 #:   those packs run a forward compiled with the search (``dispatch.compile_forward_one_segment``).
 #: Tuning knob (A/B), e.g. CSA_FRONTEND_LOOKUP_ONE_ROUND="fwd=1,bwd=1,stream_fwd=1,stream_bwd=1".
 LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 4, "stream_bwd": 4},
