@@ -199,9 +199,9 @@ def test_segment_lookup_rounds(n_seg):
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (4, 1, 512), (16, 2, 256), (128, 1, 128)])
 def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
     """``CSA_FRONTEND_LOOKUP_ONE_ROUND`` (the default of every kernel but the register-window
-    backward), set to 4 for every kernel: lookups in packs of fewer than 128 segments by one round of 1, 2 or
-    4 loads per lane and shuffles, more by the search (segment counts on both sides of each
-    tier). Both directions of both families, each under its family's contract and bit for bit
+    backward), set to 4 for every kernel: lookups in packs of fewer than 128 segments by one
+    round of 1, 2 or 4 loads per lane and shuffles, more by the search (segment counts on both
+    sides of each tier). Both directions of both families, each under its family's contract and bit for bit
     against the search, with empty, short and tail segments and padding rows, so the walking
     kernels also look rows up mid-walk."""
     from csa_frontend.compressor.kernels import dispatch
