@@ -614,6 +614,30 @@ def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (16, 2, 256), (64, 1, 512), (200, 2, 192)])
+def test_one_segment_stream_forward_gives_the_default_bits(ratio, coff, head_dim):
+    """A pack of one segment runs the stream forward compiled with the search
+    (``compile_forward_one_segment``), which writes every row (padding too) with the same bits
+    as the default stream forward (the one-round lookup) on the same pack."""
+    from csa_frontend.compressor.kernels import dispatch
+    kernels = dispatch._kernels_for("fwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    assert kernels.sched.family == "stream" and kernels.one_segment is not None
+    cu, comp = offsets([300 * ratio + ratio // 2], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + 2, ratio, coff, head_dim)
+    rows = int(comp[-1]) + 2
+    assert kernels.serial is None or not takes_serial_forward(rows, head_dim, kernels.serial[1])
+    outs = []
+    for variant in (kernels, kernels._replace(one_segment=None)):
+        out = torch.full((rows, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fn, args = dispatch.forward_call(*variant, kv, score, ape, cu, comp, out)
+        assert (fn is kernels.one_segment[0]) is (variant.one_segment is not None)
+        fn(*args)
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any(), "the one-segment forward left rows unwritten"
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(100, 2, 128), (200, 1, 192), (17, 1, 256)])
 def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff, head_dim):
     """The stream forward lays its wave over the device's SMs (``fwd_rows_per_cta``), which is
