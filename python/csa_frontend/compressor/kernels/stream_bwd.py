@@ -155,24 +155,7 @@ class StreamBackward(BackwardKernel):
                     cute.arch.cp_async_wait_group(1)
                     slots = stage_slots(sBuf, it % 2, tidx)
                 if row < n_real:
-                    rS = cute.make_rmem_tensor((chunk, vec), Float32)
-                    rX = cute.make_rmem_tensor((chunk, vec), Float32)
-                    rG = cute.make_rmem_tensor((vec,), Float32)
-                    if cutlass.const_expr(staged):
-                        # no test: a column thread past head_dim computes on stale slots of its own
-                        # and stores nothing (its columns meet no other thread's in any reduction)
-                        gather_scores(mKV, mS, rA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec,
-                                      slots)
-                        rG.store(slots[2 * chunk, None].load().to(Float32))
-                    else:
-                        rG.fill(0.0)
-                        if col_ok:
-                            gather_scores(mKV, mS, rA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec,
-                                          vec, None)
-                            rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
-                        else:
-                            for i in cutlass.range_constexpr(chunk):
-                                invalid_position(rS, rX, i, vec)
+                    rS, rX, rG = self.gather_row(mKV, mS, gGO, rA, slots, row, own0, has_prev, cv, k0, col_ok)
                     lead = c % per_warp == 0
                     g_idx = c // per_warp
                     lane_chunk = c % per_warp
@@ -193,20 +176,7 @@ class StreamBackward(BackwardKernel):
                     else:
                         combine_groups(sMax, rM, col, lane_chunk, groups, per_warp, ct, vec, True)
                     # (2) e, den and T = sum e * dp with dp = g * kv (kept in rX for the gradients)
-                    rD = cute.make_rmem_tensor((vec,), Float32)
-                    rT = cute.make_rmem_tensor((vec,), Float32)
-                    for v in cutlass.range_constexpr(vec):
-                        ms = safe_max(rM[v])
-                        d = Float32(0.0)
-                        t = Float32(0.0)
-                        for i in cutlass.range_constexpr(chunk):
-                            e = exp_relative(rS[i, v] - ms, fast)
-                            dp = product(rG[v], rX[i, v], fast)
-                            rS[i, v] = e
-                            rX[i, v] = dp
-                            d = add_in_order(d, e, i == 0)
-                            t = add_in_order(t, product(e, dp, fast), i == 0)
-                        rD[v], rT[v] = warp_chunks_sum(d, t, ct)
+                    rD, rT = self.den_and_sum(rS, rX, rG, rM)
                     if lead:
                         sDen[g_idx, col, None].store(rD.load())
                         sT[g_idx, col, None].store(rT.load())
@@ -223,43 +193,10 @@ class StreamBackward(BackwardKernel):
                         combine_groups(sDen, rD, col, lane_chunk, groups, per_warp, ct, vec, False)
                         combine_groups(sT, rT, col, lane_chunk, groups, per_warp, ct, vec, False)
                     # (3) p = e / den, S = T / den, and the gradients in the reference's order
-                    rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
-                    rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
-                    for v in cutlass.range_constexpr(vec):
-                        den = rD[v]
-                        g = rG[v]
-                        rcp = Float32(0.0)
-                        ssum = Float32(0.0)
-                        if cutlass.const_expr(fast):
-                            rcp = cute.arch.rcp_approx(den)
-                            ssum = rT[v] * rcp
-                        else:
-                            rcp = rcp_of_den(den)
-                            ssum = rT[v] / den
-                        for i in cutlass.range_constexpr(chunk):
-                            p = Float32(0.0)
-                            if cutlass.const_expr(fast):
-                                p = rS[i, v] * rcp
-                            else:
-                                p = div_exact(rS[i, v], den, rcp)
-                            gs = product(rX[i, v] - ssum, p, fast)
-                            if cutlass.const_expr(coff == 2):
-                                # an invalid (previous-block) position's gs is (0 - S) * 0: NaN when S
-                                # is, so it is kept out by a select (a branch here would carry every
-                                # partial through it)
-                                keep = k0 + i >= ratio or has_prev
-                                rPart[i, v] = Float32(cutlass.select_(keep, rPart[i, v] + gs, rPart[i, v]))
-                            else:
-                                rPart[i, v] = rPart[i, v] + gs
-                            rGS[i, v] = gs.to(BFloat16)
-                            rGKV[i, v] = product(g, p, fast).to(BFloat16)
+                    rGKV, rGS = self.row_gradients(rS, rX, rG, rD, rT, rPart, k0, has_prev)
                     if col_ok:
-                        self.store_gradients(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0)
-                        if blk == n_blk - 1:
-                            if cutlass.const_expr(coff == 2):
-                                # first-half columns of the last block's own tokens (coff=1: one half)
-                                zero_tokens(gGKV, gGS, own0 + c, own0 + ratio, n_chunks, cv, 1, n_vec, vec)
-                            zero_tokens(gGKV, gGS, own0 + ratio + c, seg_end, n_chunks, cv, coff, n_vec, vec)
+                        self.finish_row(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk, n_blk, seg_end,
+                                        cv, k0, c)
                 row, own0, has_prev = nrow, nown0, nhas_prev
             if col_ok:
                 for i in cutlass.range_constexpr(chunk):
@@ -277,6 +214,103 @@ class StreamBackward(BackwardKernel):
             zb = bx - row_groups
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, c, n_chunks, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
+
+    @cute.jit
+    def gather_row(self, mKV, mS, gGO, rA, slots, row, own0, has_prev, cv, k0, col_ok):
+        """(score + ape, kv, grad_out) of this thread's chunk of one row, from its staged slots
+        (``slots``) or from global memory."""
+        ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
+        rS = cute.make_rmem_tensor((chunk, vec), Float32)
+        rX = cute.make_rmem_tensor((chunk, vec), Float32)
+        rG = cute.make_rmem_tensor((vec,), Float32)
+        if cutlass.const_expr(slots is not None):
+            # no test: a column thread past head_dim computes on stale slots of its own
+            # and stores nothing (its columns meet no other thread's in any reduction)
+            gather_scores(mKV, mS, rA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec, slots)
+            rG.store(slots[2 * chunk, None].load().to(Float32))
+        else:
+            rG.fill(0.0)
+            if col_ok:
+                gather_scores(mKV, mS, rA, rS, rX, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec, None)
+                rG.store(gGO[(0, None), (row, cv)].load().to(Float32))
+            else:
+                for i in cutlass.range_constexpr(chunk):
+                    invalid_position(rS, rX, i, vec)
+        return rS, rX, rG
+
+    @cute.jit
+    def den_and_sum(self, rS, rX, rG, rM):
+        """(den, T) of each column over the warp's chunks (on its first chunk lane), with
+        ``rS`` <- e = exp(s - max) and ``rX`` <- dp = g * kv in place for the gradients."""
+        vec, chunk, ct = self.vec, self.sched.chunk, self.sched.col_threads
+        fast = STREAM_BWD_FAST_MATH
+        rD = cute.make_rmem_tensor((vec,), Float32)
+        rT = cute.make_rmem_tensor((vec,), Float32)
+        for v in cutlass.range_constexpr(vec):
+            ms = safe_max(rM[v])
+            d = Float32(0.0)
+            t = Float32(0.0)
+            for i in cutlass.range_constexpr(chunk):
+                e = exp_relative(rS[i, v] - ms, fast)
+                dp = product(rG[v], rX[i, v], fast)
+                rS[i, v] = e
+                rX[i, v] = dp
+                d = add_in_order(d, e, i == 0)
+                t = add_in_order(t, product(e, dp, fast), i == 0)
+            rD[v], rT[v] = warp_chunks_sum(d, t, ct)
+        return rD, rT
+
+    @cute.jit
+    def row_gradients(self, rS, rX, rG, rD, rT, rPart, k0, has_prev):
+        """p = e / den, S = T / den, and the chunk's gradients in the reference's order (bf16);
+        grad_score's fp32 values added into the grad_ape partials ``rPart``."""
+        ratio, coff, vec, chunk = self.ratio, self.coff, self.vec, self.sched.chunk
+        fast = STREAM_BWD_FAST_MATH
+        rGKV = cute.make_rmem_tensor((chunk, vec), BFloat16)
+        rGS = cute.make_rmem_tensor((chunk, vec), BFloat16)
+        for v in cutlass.range_constexpr(vec):
+            den = rD[v]
+            g = rG[v]
+            rcp = Float32(0.0)
+            ssum = Float32(0.0)
+            if cutlass.const_expr(fast):
+                rcp = cute.arch.rcp_approx(den)
+                ssum = rT[v] * rcp
+            else:
+                rcp = rcp_of_den(den)
+                ssum = rT[v] / den
+            for i in cutlass.range_constexpr(chunk):
+                p = Float32(0.0)
+                if cutlass.const_expr(fast):
+                    p = rS[i, v] * rcp
+                else:
+                    p = div_exact(rS[i, v], den, rcp)
+                gs = product(rX[i, v] - ssum, p, fast)
+                if cutlass.const_expr(coff == 2):
+                    # an invalid (previous-block) position's gs is (0 - S) * 0: NaN when S
+                    # is, so it is kept out by a select (a branch here would carry every
+                    # partial through it)
+                    keep = k0 + i >= ratio or has_prev
+                    rPart[i, v] = Float32(cutlass.select_(keep, rPart[i, v] + gs, rPart[i, v]))
+                else:
+                    rPart[i, v] = rPart[i, v] + gs
+                rGS[i, v] = gs.to(BFloat16)
+                rGKV[i, v] = product(g, p, fast).to(BFloat16)
+        return rGKV, rGS
+
+    @cute.jit
+    def finish_row(self, mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk, n_blk, seg_end, cv, k0, c):
+        """Store the row's gradients (block ``blk`` of its segment's ``n_blk``); after a
+        segment's last block, zero its never-consumed token slots (this thread's chunk lane of
+        them)."""
+        ratio, coff, vec, n_vec = self.ratio, self.coff, self.vec, self.n_vec
+        n_chunks = self.sched.row_lanes
+        self.store_gradients(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0)
+        if blk == n_blk - 1:
+            if cutlass.const_expr(coff == 2):
+                # first-half columns of the last block's own tokens (coff=1: one half)
+                zero_tokens(gGKV, gGS, own0 + c, own0 + ratio, n_chunks, cv, 1, n_vec, vec)
+            zero_tokens(gGKV, gGS, own0 + ratio + c, seg_end, n_chunks, cv, coff, n_vec, vec)
 
     @cute.jit
     def store_gradients(self, mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, own_ok, cv, k0):
