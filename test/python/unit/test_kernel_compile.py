@@ -348,3 +348,17 @@ def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     text = ptx()
     assert re.findall(r"nanosleep\.u32\s+(\d+)", text) == ["1500"]
     assert re.search(r"cp\.async\.wait_group\s+0", text).start() < text.index("nanosleep")
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (16, 2, 256), (64, 1, 512), (30, 2, 130)])
+def test_stream_backward_stores_its_ape_partials_as_vectors(ratio, coff, head_dim, monkeypatch, tmp_path):
+    """The stream backward writes a thread's grad_ape partials of one window position as one
+    ``vec``-wide fp32 store (vec scalar stores 4 bytes apart had each warp instruction touch vec
+    times the sectors it filled: 4x the slab's bytes through L2 at the end of every CTA). No
+    gradient or zero store of the kernel is that wide: grad_kv and grad_score hold ``vec`` bf16."""
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "stream" and sched.vec in (2, 4)
+    ptx = planned_kernel_ptx(ratio, coff, head_dim, "bwd", monkeypatch, tmp_path)
+    wide = re.findall(rf"st\.global\.v{sched.vec}\.b32\s+\[[^]]+\],\s*\{{\s*%r", ptx)
+    assert len(wide) == sched.chunk, (sched, wide)

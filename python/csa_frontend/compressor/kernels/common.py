@@ -138,6 +138,20 @@ def store_partial(mSlab: cute.Tensor, group: Int32, arow: Int32, col: Int32, val
 
 
 @cute.jit
+def store_partial_vector(mSlab: cute.Tensor, group: Int32, arow: Int32, colt: Int32, rPart: cute.Tensor,
+                         i: cutlass.Constexpr, vec: cutlass.Constexpr, atomic: cutlass.Constexpr):
+    """``store_partial`` of the ``vec`` partials ``rPart[i, :]`` of column slice ``colt``: one
+    vector store on the deterministic path (``vec`` scalar stores 4 bytes apart had each warp
+    instruction touch ``vec`` times the sectors it filled), else one atomic add per value."""
+    if cutlass.const_expr(atomic):
+        for v in cutlass.range_constexpr(vec):
+            store_partial(mSlab, group, arow, colt * vec + v, rPart[i, v], atomic)
+    else:
+        gSlab = cute.zipped_divide(mSlab, (1, 1, vec))
+        gSlab[(0, 0, None), (group, arow, colt)].store(rPart[i, None].load())
+
+
+@cute.jit
 def block_start(t0: Int32, blk: Int32, ratio: cutlass.Constexpr, n_tok: Int32):
     """(first token of the block, whether its previous block is valid), clamped into the pack.
 

@@ -25,8 +25,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
-                     div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots, store_partial,
-                     zero_fill_cta, zero_tokens)
+                     div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots,
+                     store_partial_vector, zero_fill_cta, zero_tokens)
 from .schedule import FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, chunks_per_warp, combines_once_per_cta, warp_groups
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
@@ -208,8 +208,7 @@ class StreamBackward(BackwardKernel):
                             if k >= ratio:
                                 arow = k - ratio
                                 colt = cv + n_vec
-                        for v in cutlass.range_constexpr(vec):
-                            store_partial(mSlab, bx, arow, colt * vec + v, rPart[i, v], self.atomic)
+                        store_partial_vector(mSlab, bx, arow, colt, rPart, i, vec, self.atomic)
         else:
             zb = bx - row_groups
             if col_ok:

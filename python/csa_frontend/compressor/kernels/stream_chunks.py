@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .common import (HALF_LOG2E, chunk_position, copy_async, exp2_half_squared, kv_and_score, mul_rn, stage_chunk,
-                     stage_invalid, widen_bf16)
+                     stage_invalid)
 
 
 @cute.jit
@@ -122,23 +122,6 @@ def mask_invalid_scores(rS: cute.Tensor, own0: Int32, has_prev: cutlass.Boolean,
             if not chunk_position(own0, has_prev, cv, k0 + i, ratio, coff, n_vec)[3]:
                 for v in cutlass.range_constexpr(vec):
                     rS[i, v] = -Float32.inf
-
-
-@cute.jit
-def staged_chunks_max(slots: cute.Tensor, rA: cute.Tensor, rM: cute.Tensor, own0: Int32, has_prev: cutlass.Boolean,
-                      cv: Int32, k0: Int32, chunk: cutlass.Constexpr, ratio: cutlass.Constexpr,
-                      coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr,
-                      col_threads: cutlass.Constexpr):
-    """``rM[v]`` = ``warp_chunks_max`` of score + ape over the staged chunk in ``slots``: the
-    scores ``gather_scores`` would give, without kv (the skewed backward's look one row ahead)."""
-    rS = cute.make_rmem_tensor((chunk, vec), Float32)
-    for i in cutlass.range_constexpr(chunk):
-        scv = widen_bf16(slots[chunk + i, None].load(), vec)
-        for v in cutlass.range_constexpr(vec):
-            rS[i, v] = scv[v] + rA[i, v]
-    mask_invalid_scores(rS, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec)
-    for v in cutlass.range_constexpr(vec):
-        rM[v] = warp_chunks_max(rS, v, chunk, col_threads)
 
 
 @cute.jit
