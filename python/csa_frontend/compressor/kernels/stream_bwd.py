@@ -98,7 +98,6 @@ class StreamBackward(BackwardKernel):
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio
         ct, n_chunks = self.sched.col_threads, self.sched.row_lanes
-        fast = STREAM_BWD_FAST_MATH
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         col = tidx % ct
