@@ -545,7 +545,8 @@ def test_slab_reduction_order(n_slab):
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (3, 1, 65), (128, 2, 256)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (3, 1, 65), (128, 2, 256), (128, 1, 128), (16, 2, 256),
+                                               (100, 2, 66), (64, 1, 512)])
 def test_atomic_grad_ape_path(ratio, coff, head_dim):
     """deterministic=False: same grad_kv/grad_score bits, grad_ape equal up to summation order."""
     cu, comp = offsets([40 * ratio + 3, 0, ratio - 1, 7 * ratio], ratio)

@@ -362,3 +362,26 @@ def test_stream_backward_stores_its_ape_partials_as_vectors(ratio, coff, head_di
     ptx = planned_kernel_ptx(ratio, coff, head_dim, "bwd", monkeypatch, tmp_path)
     wide = re.findall(rf"st\.global\.v{sched.vec}\.b32\s+\[[^]]+\],\s*\{{\s*%r", ptx)
     assert len(wide) == sched.chunk, (sched, wide)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (16, 2, 256), (100, 2, 66)])
+def test_stream_backward_adds_atomic_ape_partials_as_vectors_from_sm90(ratio, coff, head_dim, arch, monkeypatch,
+                                                                        tmp_path):
+    """The opt-in atomic grad_ape path of the stream backward adds a thread's ``vec`` partials of
+    one window position with one ``red.global.add.v{vec}.f32`` on sm_90+ (scalar adds 4 bytes
+    apart made each warp instruction touch ``vec`` times the sectors it filled, and contended
+    ``vec`` times as often); vector reductions do not exist before sm_90, so sm_80 keeps the
+    scalar adds."""
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "stream" and sched.vec in (2, 4)
+    texts = kernel_ptx(lambda: dispatch._build_backward(ratio, coff, head_dim, sched, arch, atomic=True)[:1],
+                       monkeypatch, tmp_path)
+    assert len(texts) == 1
+    vector = re.findall(rf"red\.global\.add\.v{sched.vec}\.f32", texts[0])
+    scalar = re.findall(r"(?:red|atom)(?:\.[a-z]+)*\.f32\s", texts[0])
+    if arch == "sm_90a":
+        assert len(vector) == sched.chunk and not scalar, (vector, scalar)
+    else:
+        assert not vector and len(scalar) == sched.chunk * sched.vec, (vector, scalar)

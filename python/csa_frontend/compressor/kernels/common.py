@@ -137,13 +137,34 @@ def store_partial(mSlab: cute.Tensor, group: Int32, arow: Int32, col: Int32, val
         mSlab[group, arow, col] = val
 
 
+@dsl_user_op
+def red_add_f32_vector(ptr, values, *, loc=None, ip=None) -> None:
+    """fp32 atomic adds to 2 or 4 consecutive, aligned floats in one instruction
+    (``red.global.add.v{2,4}.f32``, sm_90+): a half or a quarter of the L2 atomic requests of
+    scalar adds."""
+    n = len(values)
+    assert n in (2, 4), n
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)]
+                    + [Float32(x).ir_value(loc=loc, ip=ip) for x in values],
+                    f"red.global.add.v{n}.f32 [$0], {{{regs}}};", ",".join(["l"] + ["f"] * n),
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def store_partial_vector(mSlab: cute.Tensor, group: Int32, arow: Int32, colt: Int32, rPart: cute.Tensor,
-                         i: cutlass.Constexpr, vec: cutlass.Constexpr, atomic: cutlass.Constexpr):
+                         i: cutlass.Constexpr, vec: cutlass.Constexpr, atomic: cutlass.Constexpr,
+                         vector_atomics: cutlass.Constexpr = False):
     """``store_partial`` of the ``vec`` partials ``rPart[i, :]`` of column slice ``colt``: one
     vector store on the deterministic path (``vec`` scalar stores 4 bytes apart had each warp
-    instruction touch ``vec`` times the sectors it filled), else one atomic add per value."""
-    if cutlass.const_expr(atomic):
+    instruction touch ``vec`` times the sectors it filled). The atomic path adds them four
+    (or two) at a time where ``vector_atomics`` (sm_90+) and ``vec`` allow, else one value at a time."""
+    if cutlass.const_expr(atomic and vector_atomics and vec % 2 == 0):
+        width = 4 if vec % 4 == 0 else 2
+        for q in cutlass.range_constexpr(vec // width):
+            offset = arow * mSlab.shape[2] + colt * vec + width * q
+            red_add_f32_vector(mSlab.iterator + offset, [rPart[i, width * q + w] for w in range(width)])
+    elif cutlass.const_expr(atomic):
         for v in cutlass.range_constexpr(vec):
             store_partial(mSlab, group, arow, colt * vec + v, rPart[i, v], atomic)
     else:
@@ -218,7 +239,7 @@ class PoolingKernel:
     family = ""
 
     def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False, pdl: bool = False,
-                 lookup_loads: Optional[int] = None):
+                 lookup_loads: Optional[int] = None, vector_atomics: bool = False):
         assert sched.family == self.family, (sched.family, self.family)
         self.lookup_loads = lookup_loads  # overrides ``one_round_loads`` (a variant for some packs)
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
@@ -226,6 +247,7 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
+        self.vector_atomics = vector_atomics  # ``red.global.add.v4.f32`` allowed (sm_90+)
         self.pdl = pdl  # programmatic dependent launch (``uses_pdl``, ``enter_grid``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow

@@ -207,7 +207,8 @@ class StreamBackward(BackwardKernel):
                             if k >= ratio:
                                 arow = k - ratio
                                 colt = cv + n_vec
-                        store_partial_vector(mSlab, bx, arow, colt, rPart, i, vec, self.atomic)
+                        store_partial_vector(mSlab, bx, arow, colt, rPart, i, vec, self.atomic,
+                                             self.vector_atomics)
         else:
             zb = bx - row_groups
             if col_ok:
