@@ -29,7 +29,7 @@ CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2,
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 
-def run_case(ratio, coff, head_dim, stream=None, repeat=1):
+def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True):
     gen = torch.Generator(device="cuda").manual_seed(ratio + coff)
     cu, comp = offsets(edge_lengths(ratio) * repeat, ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + SPARE_TOKENS, ratio, coff, head_dim, generator=gen)
@@ -39,7 +39,7 @@ def run_case(ratio, coff, head_dim, stream=None, repeat=1):
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())
     out = csa_compressor_forward_wrapper(kv, score, ape, cu, comp, total_comp=total, **kw)["out"]
-    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, **kw)
+    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, deterministic=deterministic, **kw)
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
     want = (reference_forward(kv, score, ape, cu, comp, ratio, coff, total),
@@ -98,6 +98,10 @@ def main():
     with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
         run_case(4, 2, 512, repeat=4)
     print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
+    # the opt-in atomic grad_ape path: scalar adds (register window), vector reductions (stream, sm_90+)
+    for case in [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]:
+        run_case(*case, deterministic=False)
+    print("atomic grad_ape path: ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
     torch.cuda.synchronize()
