@@ -88,7 +88,8 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
     assert not torch.isnan(out).any(), "forward left elements unwritten"
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
     oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
-    serial = takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    serial = takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim),
+                                  choose_schedule(ratio, coff, head_dim, "fwd").family)
     if serial:
         # a small launch: the serial forward ran, with the reference's bits; then the family's
         # own forward on the same pack, under its contract but for the count of differing
@@ -217,7 +218,8 @@ def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
         lengths[0], lengths[-1] = 0, ratio - 1
     lengths[n_seg // 2] = 64 * ratio + 1  # past the serial forward's launches: the window forward runs
     rows = sum(n // ratio for n in lengths) + 3
-    assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim),
+                                    choose_schedule(ratio, coff, head_dim, "fwd").family)
     cu, comp = offsets(lengths, ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim,
                                    generator=torch.Generator(device="cuda").manual_seed(n_seg))
@@ -626,7 +628,7 @@ def test_one_segment_stream_forward_gives_the_default_bits(ratio, coff, head_dim
     cu, comp = offsets([300 * ratio + ratio // 2], ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + 2, ratio, coff, head_dim)
     rows = int(comp[-1]) + 2
-    assert kernels.serial is None or not takes_serial_forward(rows, head_dim, kernels.serial[1])
+    assert kernels.serial is None or not takes_serial_forward(rows, head_dim, kernels.serial[1], "stream")
     outs = []
     for variant in (kernels, kernels._replace(one_segment=None)):
         out = torch.full((rows, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -648,7 +650,7 @@ def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff,
     kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
     assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
     rows = int(comp[-1])
-    assert rows * head_dim > schedule.SERIAL_FWD_MAX_OUTPUTS  # not the serial forward
+    assert rows * head_dim > schedule.serial_forward_outputs("stream")  # not the serial forward
     outs = []
     for sms in (0, 1, 7, 128):
         monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", sms)
@@ -752,9 +754,9 @@ def test_bulk_forward_by_default_on_long_packs():
 
 def serial_pack(ratio, coff, head_dim, seed):
     """A pack of segments of 0, ratio-1, ratio, ratio+1 and longer lengths, plus padding rows,
-    whose output has exactly ``SERIAL_FWD_MAX_OUTPUTS`` elements or as close below as rows allow:
-    the largest launch the serial forward takes."""
-    rows = schedule.SERIAL_FWD_MAX_OUTPUTS // head_dim
+    whose output has exactly ``serial_forward_outputs`` elements of the configuration's forward
+    family or as close below as rows allow: the largest launch the serial forward takes."""
+    rows = schedule.serial_forward_outputs(choose_schedule(ratio, coff, head_dim, "fwd").family) // head_dim
     lengths = []
     for n in (ratio + 1, 0, ratio - 1, ratio, 3 * ratio + 5):
         if sum(m // ratio for m in lengths) + n // ratio < rows:
@@ -774,10 +776,11 @@ def serial_pack(ratio, coff, head_dim, seed):
 @pytest.mark.parametrize("coff", [1, 2])
 @pytest.mark.parametrize("ratio", [1, 4, 16, 128, 200, 256])
 def test_serial_forward_has_reference_bits(ratio, coff, head_dim):
-    """Launches of up to SERIAL_FWD_MAX_OUTPUTS elements run the serial forward: ``out`` equal to
+    """Launches of up to ``serial_forward_outputs`` elements run the serial forward: ``out`` equal to
     the reference bit for bit (padding rows included), at the largest such launch."""
     kv, score, ape, cu, comp, rows = serial_pack(ratio, coff, head_dim, seed=ratio * 3 + coff)
-    assert takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim))
+    assert takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim),
+                                choose_schedule(ratio, coff, head_dim, "fwd").family)
     out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=rows)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"

@@ -604,25 +604,34 @@ def test_forward_call_takes_the_one_segment_stream_forward(ratio, coff, head_dim
 
 def test_serial_forward_takes_small_launches(monkeypatch):
     """The serial forward serves every configuration and takes a launch exactly when its output
-    has at most SERIAL_FWD_MAX_OUTPUTS elements; 0 turns it off."""
-    limit = sch.SERIAL_FWD_MAX_OUTPUTS
-    for ratio, coff, head_dim in [(1, 1, 1), (4, 2, 128), (128, 2, 4096), (256, 2, 65), (33, 1, 66)]:
+    has at most ``serial_forward_outputs`` of its family's forward elements: SERIAL_FWD_MAX_OUTPUTS
+    for the register window, below 8192 for the stream family; 0 turns it off for both."""
+    assert sch.serial_forward_outputs("window") == sch.SERIAL_FWD_MAX_OUTPUTS == 4096
+    assert sch.serial_forward_outputs("stream") == 8191
+    for ratio, coff, head_dim in [(1, 1, 1), (4, 2, 128), (128, 2, 4096), (256, 2, 65), (33, 1, 66), (128, 2, 128)]:
         s = sch.serial_forward_schedule(ratio, coff, head_dim)
         assert s.family == "serial" and s.vec == 1 and s.col_threads * s.col_tiles >= head_dim > (
             s.col_tiles - 1) * s.col_threads
+        family = sch.choose_schedule(ratio, coff, head_dim, "fwd").family
+        limit = sch.serial_forward_outputs(family)
         rows = limit // head_dim
-        assert sch.takes_serial_forward(rows, head_dim, s)
-        assert not sch.takes_serial_forward(rows + 1, head_dim, s)
-        assert not sch.takes_serial_forward(limit + 1, 1, s)
-        assert not sch.takes_serial_forward(rows, head_dim, None)
+        if rows:
+            assert sch.takes_serial_forward(rows, head_dim, s, family)
+        assert not sch.takes_serial_forward(rows + 1, head_dim, s, family)
+        assert not sch.takes_serial_forward(limit + 1, 1, s, family)
+        assert not sch.takes_serial_forward(rows, head_dim, None, family)
+    # the SPEC's smallest ratio-128 row (64 rows of 128) stays on the stream forward
+    r128 = sch.serial_forward_schedule(128, 2, 128)
+    assert sch.takes_serial_forward(63, 128, r128, "stream") and not sch.takes_serial_forward(64, 128, r128, "stream")
     monkeypatch.setattr(sch, "SERIAL_FWD_MAX_OUTPUTS", 0)
     assert sch.serial_forward_schedule(4, 2, 128) is None
+    assert sch.serial_forward_outputs("stream") == sch.serial_forward_outputs("window") == 0
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(2, 2, 512), (4, 2, 128), (128, 2, 128)])
 def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head_dim):
     """``dispatch.forward_call`` runs the serial kernel (no trailing argument) for launches of at
-    most SERIAL_FWD_MAX_OUTPUTS elements and the family's route above."""
+    most ``serial_forward_outputs`` elements of the family and the family's route above."""
     import torch
 
     from csa_frontend.compressor.kernels import dispatch
@@ -631,7 +640,7 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
     bulk = None if bulk_sched is None else ("bulk", bulk_sched)
     serial = ("serial", sch.serial_forward_schedule(ratio, coff, head_dim))
     inputs = tuple(torch.empty(0, device="meta") for _ in range(5))
-    edge = sch.SERIAL_FWD_MAX_OUTPUTS // head_dim
+    edge = sch.serial_forward_outputs(sched.family) // head_dim
     for rows in (1, edge, edge + 1, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
         fn, args = dispatch.forward_call("own", sched, 1, bulk, serial, 132, None, *inputs, out)

@@ -405,7 +405,7 @@ def forward_call(fn, sched, per_sm, bulk, serial, sms, one_segment, kv, score, a
     pack of one segment ``one_segment`` where given."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
     rows = out.shape[0]
-    if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1]):
+    if serial is not None and takes_serial_forward(rows, out.shape[1], serial[1], sched.family):
         return serial[0], args
     per_cta = 0 if bulk is None else bulk_forward_walk(rows, bulk[1])
     if per_cta:

@@ -595,12 +595,23 @@ STREAM_FWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_THREADS"
 #: checked pooling 0.35e-4 at r16 c1 d63; the stream family 1.0e-4 at r16 c1 d64 up to 3.1e-4 at
 #: r256 c2, mostly from re-associated sums: 0.64-2.8e-4 with exact exp), so launches of one to a
 #: few thousand elements exceeded their allowance of 1-4 several percent of the time (fuzz seeds:
-#: 2 of 1890 at r190 c2 d63, 4 of 3052 at r39 c1 d218). Above 4096 the chance is at most ~1%
-#: (r256 c2, shrinking fast with size) and the serial forward would cost time: it is
-#: latency-bound, 12.1 us on 1x8192 r128 c2 d128 (8192 elements) where the stream forward takes
-#: 5.2 (H200, same session), so the SPEC's smallest rows stay on the fast forwards. 0 turns the
-#: serial forward off. Tuning knob, CSA_FRONTEND_SERIAL_FWD_OUTPUTS.
+#: 2 of 1890 at r190 c2 d63, 4 of 3052 at r39 c1 d218). Above 4096 the register window's rate
+#: makes that chance negligible (at most about 1e-6); for the stream family see
+#: STREAM_SERIAL_FWD_MAX_OUTPUTS. The serial forward is latency-bound, about twice the fast
+#: forwards' time on such launches. 0 turns it off. Tuning knob, CSA_FRONTEND_SERIAL_FWD_OUTPUTS.
 SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "4096"))
+#: The same limit for configurations whose own forward is the stream family, whose fast pooling
+#: rounds up to 3.1e-4 of ``out`` differently (10x the register window's checked pooling). With
+#: the differing elements roughly Poisson at that rate, a launch of n outputs exceeds its
+#: allowance of max(1, n // 1000) with a probability that peaks right above each multiple of
+#: 1000: up to 2.1% for n in 4097-8191 (at 4999), 0.24% in 8192-16383 (at 8999), under 4e-5
+#: from 16384 (fuzz seed 3582, r128 c1 d211 at 6330 outputs, met it: 7 against 6). So stream
+#: launches below 8192 outputs take the serial forward too, at twice the time (H200, us, stream
+#: / serial: 1x6144 r128 c2 d128 4.6 / 9.7, 1x8192 r128 c2 d128 5.1 / 10.2, 1x16384 r128 c2 d128
+#: 7.1 / 17.7: the SPEC's 8192-output row stays on the stream forward). Tuning knob,
+#: CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS; the serial forward is off for every family at
+#: SERIAL_FWD_MAX_OUTPUTS = 0.
+STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS", "8191"))
 #: Serial forward CTA: ``SERIAL_FWD_COLS`` columns (a column's in-order sums run in one thread)
 #: times position lanes for the parallel steps (each lane holds ``ceil(window / lanes)``
 #: positions' loads in flight at once). Its launches are small (<= 4096 outputs: at most 128
@@ -619,10 +630,21 @@ def serial_forward_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule |
     return Schedule("serial", 1, SERIAL_FWD_COLS, SERIAL_FWD_LANES, -(-head_dim // SERIAL_FWD_COLS))
 
 
-def takes_serial_forward(n_rows: int, head_dim: int, serial: "Schedule | None") -> bool:
+def serial_forward_outputs(family: str) -> int:
+    """The most output elements a forward launch may have to run the serial forward, for a
+    configuration whose own forward is of ``family`` ("window" or "stream"); 0 when it is off."""
+    if SERIAL_FWD_MAX_OUTPUTS <= 0:
+        return 0
+    if family == "stream":
+        return max(SERIAL_FWD_MAX_OUTPUTS, STREAM_SERIAL_FWD_MAX_OUTPUTS)
+    return SERIAL_FWD_MAX_OUTPUTS
+
+
+def takes_serial_forward(n_rows: int, head_dim: int, serial: "Schedule | None", family: str) -> bool:
     """Whether a forward launch of ``n_rows`` rows runs the serial forward ``serial``
-    (``serial_forward_schedule``; None where it is off)."""
-    return serial is not None and n_rows * head_dim <= SERIAL_FWD_MAX_OUTPUTS
+    (``serial_forward_schedule``; None where it is off) rather than its configuration's own
+    forward of ``family``."""
+    return serial is not None and n_rows * head_dim <= serial_forward_outputs(family)
 
 
 def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None,

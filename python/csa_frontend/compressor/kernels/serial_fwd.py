@@ -4,10 +4,11 @@ Why a third forward: the contract counts differing elements, at most max(1, 0.1%
 The fast forwards round a few elements in ten thousand differently from the reference (the
 stream family re-associates sums over windows of up to 512 positions; the register-window
 family keeps checked MUFU exponentials), which a launch of one to a few thousand elements
-exceeds now and then (``schedule.SERIAL_FWD_MAX_OUTPUTS``). Such launches are latency-bound
-anyway, so this kernel spends instructions on taking the reference's exact steps: libdevice
-``expf`` of ``s - max``, the denominator added left to right, weights by IEEE division, pinned
-products, and their sum left to right, rounded once to bf16.
+exceeds now and then (``schedule.SERIAL_FWD_MAX_OUTPUTS``, and for the stream family
+``STREAM_SERIAL_FWD_MAX_OUTPUTS``). Such launches are latency-bound anyway, so this kernel
+spends instructions on taking the reference's exact steps: libdevice ``expf`` of ``s - max``,
+the denominator added left to right, weights by IEEE division, pinned products, and their sum
+left to right, rounded once to bf16.
 
 CTA: one output row x ``col_threads`` (16) columns times ``row_lanes`` (32) position lanes
 (``schedule.SERIAL_FWD_COLS``). The lanes do the parallel steps for positions ``lane,
