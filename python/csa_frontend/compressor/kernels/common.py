@@ -247,7 +247,7 @@ class PoolingKernel:
         self.n_vec = head_dim // sched.vec
         self.width = coff * ratio
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
-        self.vector_atomics = vector_atomics  # ``red.global.add.v4.f32`` allowed (sm_90+)
+        self.vector_atomics = vector_atomics  # ``red.global.add.v{2,4}.f32`` allowed (sm_90+)
         self.pdl = pdl  # programmatic dependent launch (``uses_pdl``, ``enter_grid``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow

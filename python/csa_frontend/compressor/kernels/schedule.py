@@ -601,7 +601,7 @@ STREAM_FWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_THREADS"
 #: forwards' time on such launches. 0 turns it off. Tuning knob, CSA_FRONTEND_SERIAL_FWD_OUTPUTS.
 SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "4096"))
 #: The same limit for configurations whose own forward is the stream family, whose fast pooling
-#: rounds up to 3.1e-4 of ``out`` differently (10x the register window's checked pooling). With
+#: rounds up to 3.1e-4 of ``out`` differently (9x the register window's checked pooling). With
 #: the differing elements roughly Poisson at that rate, a launch of n outputs exceeds its
 #: allowance of max(1, n // 1000) with a probability that peaks right above each multiple of
 #: 1000: up to 2.1% for n in 4097-8191 (at 4999), 0.24% in 8192-16383 (at 8999), under 4e-5
@@ -614,9 +614,9 @@ SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "
 STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS", "8191"))
 #: Serial forward CTA: ``SERIAL_FWD_COLS`` columns (a column's in-order sums run in one thread)
 #: times position lanes for the parallel steps (each lane holds ``ceil(window / lanes)``
-#: positions' loads in flight at once). Its launches are small (<= 4096 outputs: at most 128
-#: CTAs of 32 columns, under one per SM), so narrower CTAs spread a launch over more SMs with
-#: fewer positions per lane. H200, same run, twice, fwd us at 32 x 16 / 16 x 32: 1x4096 r128 c2
+#: positions' loads in flight at once). Its launches are small (chosen when the limit was 4096
+#: outputs: at most 128 CTAs of 32 columns, under one per SM), so narrower CTAs spread a launch
+#: over more SMs with fewer positions per lane. H200, same run, twice, fwd us at 32 x 16 / 16 x 32: 1x4096 r128 c2
 #: d128 8.5-8.6 / 7.5-7.6, 1x2048 r128 c2 d128 6.6 / 5.6-5.7, 1x1024 r256 c2 d512 12.9 /
 #: 10.2-10.3, 1x4096 r256 c1 d256 9.0 / 7.7-7.8, 1x256 r16 c2 d64 2.1 / 2.2.
 SERIAL_FWD_COLS = 16
