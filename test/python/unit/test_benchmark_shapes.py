@@ -1,6 +1,6 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
 shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
-stream-grid A/B's variants, the size sweep's fit and the targets check."""
+stream-grid A/B's variants, the size sweep's fit, the targets check and the contract-risk model."""
 import os
 import sys
 
@@ -163,3 +163,19 @@ def test_targets_against_spec_floor():
     lines = targets.render(targets.check({"results": [with_copy]})).splitlines()
     assert lines[0].endswith(" met")  # a met target shows no copy
     assert lines[1].endswith("needs <= 56.9 (same-bytes copy 51.5)")
+
+
+@pytest.mark.L0
+def test_contract_risk_model():
+    """The differing-element allowance steps at multiples of 1000, the Poisson chance is a
+    probability that grows with the rate, and the stream family's serial-forward limit (8191
+    outputs) is where the worst chance beyond it falls under 0.25% at the worst measured rate."""
+    import contract_risk as risk
+    from csa_frontend.compressor.kernels import schedule
+
+    assert [risk.allowance(n) for n in (1, 999, 1999, 2000, 8191, 8192)] == [1, 1, 1, 2, 8, 8]
+    assert 0.0 <= risk.exceed_chance(5000, 1e-4) < risk.exceed_chance(5000, 3.1e-4) < 1.0
+    limit = schedule.STREAM_SERIAL_FWD_MAX_OUTPUTS
+    beyond, _ = risk.worst_in(limit + 1, 4 * (limit + 1), 3.1e-4)
+    below, at = risk.worst_in(schedule.SERIAL_FWD_MAX_OUTPUTS + 1, limit, 3.1e-4)
+    assert beyond < 2.5e-3 < below and at == 4999

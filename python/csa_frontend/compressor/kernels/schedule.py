@@ -604,11 +604,12 @@ SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "
 #: rounds up to 3.1e-4 of ``out`` differently (9x the register window's checked pooling). With
 #: the differing elements roughly Poisson at that rate, a launch of n outputs exceeds its
 #: allowance of max(1, n // 1000) with a probability that peaks right above each multiple of
-#: 1000: up to 2.1% for n in 4097-8191 (at 4999), 0.24% in 8192-16383 (at 8999), under 4e-5
-#: from 16384 (fuzz seed 3582, r128 c1 d211 at 6330 outputs, met it: 7 against 6). So stream
-#: launches below 8192 outputs take the serial forward too, at twice the time (H200, us, stream
-#: / serial: 1x6144 r128 c2 d128 4.6 / 9.7, 1x8192 r128 c2 d128 5.1 / 10.2, 1x16384 r128 c2 d128
-#: 7.1 / 17.7: the SPEC's 8192-output row stays on the stream forward). Tuning knob,
+#: 1000 (``benchmark/csa/contract_risk.py``): up to 2.1% for n in 4097-8191 (at 4999), 0.24% in
+#: 8192-16383 (at 8999), under 4e-5 from 16384 (fuzz seed 3582, r128 c1 d211 at 6330 outputs,
+#: met it: 7 against 6). So stream launches below 8192 outputs take the serial forward too, at
+#: twice the time (H200, us, stream / serial: 1x6144 r128 c2 d128 4.6 / 9.7, 1x8192 r128 c2 d128
+#: 5.1 / 10.2, 1x16384 r128 c2 d128 7.1 / 17.7: the SPEC's 8192-output row stays on the stream
+#: forward). Tuning knob,
 #: CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS; the serial forward is off for every family at
 #: SERIAL_FWD_MAX_OUTPUTS = 0.
 STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS", "8191"))
