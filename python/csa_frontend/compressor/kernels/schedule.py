@@ -609,9 +609,8 @@ SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_SERIAL_FWD_OUTPUTS", "
 #: met it: 7 against 6). So stream launches below 8192 outputs take the serial forward too, at
 #: twice the time (H200, us, stream / serial: 1x6144 r128 c2 d128 4.6 / 9.7, 1x8192 r128 c2 d128
 #: 5.1 / 10.2, 1x16384 r128 c2 d128 7.1 / 17.7: the SPEC's 8192-output row stays on the stream
-#: forward). Tuning knob,
-#: CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS; the serial forward is off for every family at
-#: SERIAL_FWD_MAX_OUTPUTS = 0.
+#: forward). Tuning knob, CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS; the serial forward is off for
+#: every family at SERIAL_FWD_MAX_OUTPUTS = 0.
 STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_FWD_OUTPUTS", "8191"))
 #: Serial forward CTA: ``SERIAL_FWD_COLS`` columns (a column's in-order sums run in one thread)
 #: times position lanes for the parallel steps (each lane holds ``ceil(window / lanes)``
