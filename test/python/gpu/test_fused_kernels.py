@@ -30,6 +30,13 @@ def run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total_comp):
     return out
 
 
+def serial_launch(rows, ratio, coff, head_dim):
+    """Whether a forward launch of ``rows`` rows of this configuration runs the serial forward
+    (the limit depends on the configuration's own forward family)."""
+    return takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim),
+                                choose_schedule(ratio, coff, head_dim, "fwd").family)
+
+
 def run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim):
     gkv = torch.full_like(kv, float("nan"))
     gs = torch.full_like(score, float("nan"))
@@ -88,8 +95,7 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
     assert not torch.isnan(out).any(), "forward left elements unwritten"
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
     oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
-    serial = takes_serial_forward(total, head_dim, serial_forward_schedule(ratio, coff, head_dim),
-                                  choose_schedule(ratio, coff, head_dim, "fwd").family)
+    serial = serial_launch(total, ratio, coff, head_dim)
     if serial:
         # a small launch: the serial forward ran, with the reference's bits; then the family's
         # own forward on the same pack, under its contract but for the count of differing
@@ -218,8 +224,7 @@ def test_one_round_lookup(monkeypatch, n_seg, ratio, coff, head_dim):
         lengths[0], lengths[-1] = 0, ratio - 1
     lengths[n_seg // 2] = 64 * ratio + 1  # past the serial forward's launches: the window forward runs
     rows = sum(n // ratio for n in lengths) + 3
-    assert not takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim),
-                                    choose_schedule(ratio, coff, head_dim, "fwd").family)
+    assert not serial_launch(rows, ratio, coff, head_dim)
     cu, comp = offsets(lengths, ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim,
                                    generator=torch.Generator(device="cuda").manual_seed(n_seg))
@@ -779,8 +784,7 @@ def test_serial_forward_has_reference_bits(ratio, coff, head_dim):
     """Launches of up to ``serial_forward_outputs`` elements run the serial forward: ``out`` equal to
     the reference bit for bit (padding rows included), at the largest such launch."""
     kv, score, ape, cu, comp, rows = serial_pack(ratio, coff, head_dim, seed=ratio * 3 + coff)
-    assert takes_serial_forward(rows, head_dim, serial_forward_schedule(ratio, coff, head_dim),
-                                choose_schedule(ratio, coff, head_dim, "fwd").family)
+    assert serial_launch(rows, ratio, coff, head_dim)
     out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=rows)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} elements differ"

@@ -125,14 +125,20 @@ def div_exact(a: Float32, b: Float32, rcp_b: Float32) -> Float32:
 
 
 @cute.jit
+def ape_element(mSlab: cute.Tensor, arow: Int32, col: Int32):
+    """Pointer to grad_ape's element ``(arow, col)`` where the atomic path passes grad_ape as
+    the slab tensor, viewed as a single slab."""
+    return mSlab.iterator + (arow * mSlab.shape[2] + col)
+
+
+@cute.jit
 def store_partial(mSlab: cute.Tensor, group: Int32, arow: Int32, col: Int32, val: Float32,
                   atomic: cutlass.Constexpr):
     """One grad_ape partial: a plain store into this row group's slab (deterministic path), or
     an fp32 atomic add straight into grad_ape viewed as a single slab (opt-in fast path: no
     slab traffic and no reduction launch, but the order of additions, hence the bits, varies)."""
     if cutlass.const_expr(atomic):
-        offset = arow * mSlab.shape[2] + col
-        cute.arch.atomic_add((mSlab.iterator + offset).llvm_ptr, val, sem="relaxed", scope="gpu")
+        cute.arch.atomic_add(ape_element(mSlab, arow, col).llvm_ptr, val, sem="relaxed", scope="gpu")
     else:
         mSlab[group, arow, col] = val
 
@@ -162,8 +168,8 @@ def store_partial_vector(mSlab: cute.Tensor, group: Int32, arow: Int32, colt: In
     if cutlass.const_expr(atomic and vector_atomics and vec % 2 == 0):
         width = 4 if vec % 4 == 0 else 2
         for q in cutlass.range_constexpr(vec // width):
-            offset = arow * mSlab.shape[2] + colt * vec + width * q
-            red_add_f32_vector(mSlab.iterator + offset, [rPart[i, width * q + w] for w in range(width)])
+            red_add_f32_vector(ape_element(mSlab, arow, colt * vec + width * q),
+                               [rPart[i, width * q + w] for w in range(width)])
     elif cutlass.const_expr(atomic):
         for v in cutlass.range_constexpr(vec):
             store_partial(mSlab, group, arow, colt * vec + v, rPart[i, v], atomic)

@@ -616,9 +616,9 @@ STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_F
 #: times position lanes for the parallel steps (each lane holds ``ceil(window / lanes)``
 #: positions' loads in flight at once). Its launches are small (chosen when the limit was 4096
 #: outputs: at most 128 CTAs of 32 columns, under one per SM), so narrower CTAs spread a launch
-#: over more SMs with fewer positions per lane. H200, same run, twice, fwd us at 32 x 16 / 16 x 32: 1x4096 r128 c2
-#: d128 8.5-8.6 / 7.5-7.6, 1x2048 r128 c2 d128 6.6 / 5.6-5.7, 1x1024 r256 c2 d512 12.9 /
-#: 10.2-10.3, 1x4096 r256 c1 d256 9.0 / 7.7-7.8, 1x256 r16 c2 d64 2.1 / 2.2.
+#: over more SMs with fewer positions per lane. H200, same run, twice, fwd us at 32 x 16 /
+#: 16 x 32: 1x4096 r128 c2 d128 8.5-8.6 / 7.5-7.6, 1x2048 r128 c2 d128 6.6 / 5.6-5.7, 1x1024
+#: r256 c2 d512 12.9 / 10.2-10.3, 1x4096 r256 c1 d256 9.0 / 7.7-7.8, 1x256 r16 c2 d64 2.1 / 2.2.
 SERIAL_FWD_COLS = 16
 SERIAL_FWD_LANES = 32
 
