@@ -179,3 +179,22 @@ def test_contract_risk_model():
     beyond, _ = risk.worst_in(limit + 1, 4 * (limit + 1), 3.1e-4)
     below, at = risk.worst_in(schedule.SERIAL_FWD_MAX_OUTPUTS + 1, limit, 3.1e-4)
     assert beyond < 2.5e-3 < below and at == 4999
+
+
+@pytest.mark.L0
+def test_forward_doubt_model():
+    """The checked-forward model of NOTES row 128: its reference sums left to right, the fast
+    value rarely rounds differently, and a worst-case bound puts far more elements in doubt
+    at a wide window than at a narrow one (the row's conclusion)."""
+    import torch
+
+    import model_fwd_doubt as doubt
+
+    x = torch.tensor([[1.0, 2.0 ** -24, 2.0 ** -24]])
+    assert doubt.in_order_sum(x).item() == 1.0  # left to right: each tiny term rounds away
+    gen = torch.Generator().manual_seed(0)
+    narrow = doubt.model(8, 4096, 8, gen)
+    wide = doubt.model(256, 4096, 16, gen)
+    for flips, in_doubt, _ in (narrow, wide):
+        assert 0.0 <= flips < 1e-2 and flips <= in_doubt
+    assert wide[1] > 0.1 > 10 * narrow[1]
