@@ -567,6 +567,35 @@ def test_atomic_grad_ape_path(ratio, coff, head_dim):
     torch.testing.assert_close(fast[2], det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
 
 
+
+@pytest.mark.L1
+def test_atomic_path_takes_the_deterministic_kernels_where_row_groups_contend(monkeypatch):
+    """deterministic=False at r16 c2 d256 with more row groups than STREAM_ATOMIC_MAX_GROUPS runs
+    the deterministic kernels: grad_ape has the default's bits (128 atomic adds per element in
+    any order would not). With the limit lifted, the same launch adds atomically again."""
+    ratio, coff, head_dim = 16, 2, 256
+    cu, comp = offsets([8192] * 4, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
+    grad_out = torch.randn(int(comp[-1]), head_dim, device="cuda").to(torch.bfloat16)
+    from csa_frontend.compressor.kernels import dispatch
+    rows = int(comp[-1])
+    main, reduce, sched, per_sm, few = dispatch._kernels_for("bwd_atomic", kv.device, ratio, coff, head_dim)
+    _, _, sched, rpt = dispatch.backward_for_rows(rows, main, reduce, sched, per_sm, few,
+                                                  schedule.slab_bytes(ratio, coff, head_dim))
+    assert schedule.bwd_row_groups(rows, sched, rpt) > schedule.STREAM_ATOMIC_MAX_GROUPS
+    det = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+
+    def atomic_run():
+        fast = [torch.full_like(t, float("nan")) for t in det]
+        kernels.backward(kv, score, ape, cu, comp, grad_out, *fast, ratio=ratio, coff=coff, head_dim=head_dim,
+                         deterministic=False)
+        assert torch.equal(fast[0], det[0]) and torch.equal(fast[1], det[1])
+        return fast[2]
+
+    assert sched.family == "stream" and torch.equal(atomic_run(), det[2])
+    monkeypatch.setattr(schedule, "STREAM_ATOMIC_MAX_GROUPS", 10 ** 6)
+    torch.testing.assert_close(atomic_run(), det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
+
 # ---- long row walks: the cp.async row pipeline across segment boundaries ----
 
 @pytest.fixture

@@ -96,6 +96,20 @@ def test_cache_is_keyed_on_static_configuration():
     assert set(dispatch.cache_keys()) - before == added
 
 
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim,falls_back", [(16, 2, 256, True), (64, 1, 512, False)])
+def test_atomic_backward_compiles_its_fallback(monkeypatch, ratio, coff, head_dim, falls_back):
+    """compile_backward(deterministic=False) brings the deterministic kernels (default and
+    few-rows) along exactly where a launch may have too many row groups to add grad_ape
+    atomically (``schedule.atomic_ape_pays``), so CUDA-graph capture never compiles them."""
+    import collections
+    monkeypatch.setattr(dispatch, "_cache", collections.OrderedDict())
+    dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch="sm_90a", deterministic=False)
+    kinds = sorted(k[0] for k in dispatch.cache_keys() if k[2:5] == (ratio, coff, head_dim))
+    variants = 1 + (few_rows_schedule(ratio, coff, head_dim) is not None)
+    assert kinds == (["bwd"] * variants if falls_back else []) + ["bwd_atomic"] * variants
+
+
 @pytest.mark.L0
 def test_direct_entry_only_replaces_a_plain_positional_function():
     """The launch path calls the positional TVM-FFI function under a compiled kernel's keyword

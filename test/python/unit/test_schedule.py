@@ -402,6 +402,101 @@ def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
             assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1, slab))
 
 
+def test_atomic_ape_only_where_few_row_groups_meet(monkeypatch):
+    """``deterministic=False`` adds grad_ape atomically up to STREAM_ATOMIC_MAX_GROUPS row groups
+    of the stream family (measured: 64 faster, 128 slower than the deterministic kernels), at
+    any count in the register-window family; ``dispatch.atomic_may_fall_back`` says which
+    configurations need the deterministic kernels compiled beside the atomic ones."""
+    from csa_frontend.compressor.kernels import dispatch
+    stream = sch.choose_schedule(16, 2, 256, "bwd")
+    window = sch.choose_schedule(4, 2, 512, "bwd")
+    limit = sch.STREAM_ATOMIC_MAX_GROUPS
+    assert stream.family == "stream" and window.family == "window" and limit == 64
+    assert sch.atomic_ape_pays(stream, 1) and sch.atomic_ape_pays(stream, limit)
+    assert not sch.atomic_ape_pays(stream, limit + 1)
+    assert sch.atomic_ape_pays(window, 10 ** 6)
+    # the SPEC's stream rows at their launch's row groups (residency as compiled: 1 CTA of 512
+    # threads per SM, 2 of 256): only r16 falls back
+    for ratio, coff, head_dim, tokens, pays in [(128, 1, 128, 131072, True), (128, 2, 128, 8192, True),
+                                                (64, 1, 512, 65536, True), (128, 2, 512, 65536, True),
+                                                (16, 2, 256, 4 * 8192, False)]:
+        s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+        per_sm = 2 if s.threads == 256 else 1
+        rows = tokens // ratio
+        groups = sch.bwd_row_groups(rows, s, sch.bwd_rows_per_thread(rows, s, per_sm))
+        assert sch.atomic_ape_pays(s, groups) is pays, (ratio, coff, head_dim, groups)
+        # a stream launch has at most stream_row_ctas row groups, the bound the compile uses
+        assert groups <= sch.stream_row_ctas(s, "bwd", per_sm)
+        assert dispatch.atomic_may_fall_back(("main", None, s, per_sm), None) is not pays
+    assert not dispatch.atomic_may_fall_back(("main", None, window, 0), None)
+    assert dispatch.atomic_may_fall_back(None, ("few main", None, stream, 2))
+    monkeypatch.setattr(sch, "STREAM_ATOMIC_MAX_GROUPS", 0)
+    assert not sch.atomic_ape_pays(stream, 1) and sch.atomic_ape_pays(window, 1)
+
+
+def test_atomic_backward_launch_falls_back_to_the_deterministic_kernels():
+    """``dispatch._launch_backward`` with the atomic variant: its own main kernel (grad_ape
+    zeroed first, no slab) up to the limit, the deterministic main kernel and slab reduction
+    beyond it; the deterministic direction never looks at the fallback."""
+    import torch
+
+    from csa_frontend.compressor.kernels import dispatch
+    ratio, coff, head_dim = 16, 2, 256
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    calls = []
+
+    def kernel(name):
+        return lambda *args: calls.append((name, args[8].shape if name.endswith("main") else None))
+
+    atomic = (kernel("atomic main"), None, s, 2, None)
+    exact = dispatch.BackwardKernels(kernel("exact main"), kernel("exact reduce"), s, 2, None)
+    cols = coff * head_dim
+
+    def launch(rows, kernels, fallback):
+        calls.clear()
+        cu = torch.tensor([0, rows * ratio], dtype=torch.int32)
+        comp = torch.tensor([0, rows], dtype=torch.int32)
+        kv = torch.zeros(rows * ratio, cols, dtype=torch.bfloat16)
+        grad_ape = torch.full((ratio, cols), float("nan"))
+        dispatch._launch_backward(*kernels, kv, kv, grad_ape, cu, comp, torch.zeros(rows, head_dim), kv, kv,
+                                  grad_ape, ratio, coff, head_dim, fallback)
+        return [name for name, _ in calls], grad_ape
+
+    row_ctas = sch.stream_row_ctas(s, "bwd", 2)
+    assert row_ctas > sch.STREAM_ATOMIC_MAX_GROUPS
+    names, grad_ape = launch(sch.STREAM_ATOMIC_MAX_GROUPS, atomic, exact)
+    assert names == ["atomic main"] and torch.equal(grad_ape, torch.zeros_like(grad_ape))
+    names, grad_ape = launch(sch.STREAM_ATOMIC_MAX_GROUPS + 1, atomic, exact)
+    assert names == ["exact main", "exact reduce"] and grad_ape.isnan().all()
+    assert calls[0][1][0] == sch.STREAM_ATOMIC_MAX_GROUPS + 1  # one slab per row group
+    names, _ = launch(10 * row_ctas, atomic, None)  # no fallback at hand: atomics at any count
+    assert names == ["atomic main"]
+    names, _ = launch(10 * row_ctas, exact, None)
+    assert names == ["exact main", "exact reduce"]
+
+
+def test_atomic_backward_looks_up_its_fallback_only_where_it_needs_one(monkeypatch):
+    """``dispatch._exact_kernels``: the deterministic direction's kernels for an atomic variant
+    that may meet too many row groups (default or few-rows schedule), else None."""
+    from csa_frontend.compressor.kernels import dispatch
+    looked_up = []
+
+    def kernels_for(direction, device, ratio, coff, head_dim):
+        looked_up.append(direction)
+        s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+        few_sched = sch.few_rows_schedule(ratio, coff, head_dim)
+        few = None if few_sched is None else ("few main", None, few_sched, 2)
+        return dispatch.BackwardKernels(direction, None, s, 2 if s.threads == 256 else 1, few)
+
+    monkeypatch.setattr(dispatch, "_kernels_for", kernels_for)
+    assert dispatch._exact_kernels(True, None, 16, 2, 256) is None and looked_up == []
+    assert dispatch._exact_kernels(False, None, 16, 2, 256).main == "bwd"
+    assert looked_up == ["bwd_atomic", "bwd"]
+    looked_up.clear()
+    assert dispatch._exact_kernels(False, None, 128, 2, 512) is None and looked_up == ["bwd_atomic"]
+    assert dispatch._exact_kernels(False, None, 4, 2, 512) is None  # window family
+
+
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [
     (128, 2, 512, True), (128, 1, 128, True), (64, 1, 512, True), (256, 2, 192, True),  # 16+ warp groups
     (16, 2, 256, False), (32, 1, 64, False)])  # 256-thread CTAs of 8 or fewer groups

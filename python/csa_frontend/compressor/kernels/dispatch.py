@@ -28,6 +28,7 @@ from .schedule import (
     Schedule,
     ape_split,
     arch_number,
+    atomic_ape_pays,
     bulk_forward_schedule,
     bulk_forward_walk,
     bwd_interleaved,
@@ -40,6 +41,7 @@ from .schedule import (
     resident_ctas_per_sm,
     serial_forward_schedule,
     slab_bytes,
+    stream_row_ctas,
     takes_serial_forward,
     zero_fill_ctas,
 )
@@ -276,11 +278,23 @@ def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str
     (main kernel, slab reduction or None, schedule, CTAs of the main kernel per SM) of the
     default schedule. The few-rows schedule's kernels (``few_rows_schedule``), where the planner
     has one, are compiled too, so no row count ever compiles later
-    (``compile_backward_few_rows``)."""
+    (``compile_backward_few_rows``); and for the atomic variant the deterministic kernels where a
+    launch could have too many row groups to add atomically (``atomic_may_fall_back``)."""
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
     kernels = _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
-    compile_backward_few_rows(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
+    few = compile_backward_few_rows(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
+    if not deterministic and atomic_may_fall_back(kernels, few):
+        compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     return kernels
+
+
+def atomic_may_fall_back(*variants) -> bool:
+    """Whether a launch of any of the atomic backward's ``(main, reduce, schedule, CTAs per SM)``
+    variants (None: absent) could meet more row groups than ``atomic_ape_pays`` allows, so it
+    needs the deterministic kernels at hand. A stream launch has at most ``stream_row_ctas``
+    groups (its rows per CTA cover the rows over that many CTAs)."""
+    return any(v is not None and v[2].family == "stream"
+               and not atomic_ape_pays(v[2], stream_row_ctas(v[2], "bwd", v[3])) for v in variants)
 
 
 def compile_backward_few_rows(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
@@ -448,11 +462,17 @@ def backward_for_rows(n_rows, main, reduce, sched, per_sm, few, slab):
 
 
 def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
-                     grad_kv, grad_score, grad_ape, ratio, coff, head_dim):
+                     grad_kv, grad_score, grad_ape, ratio, coff, head_dim, exact=None):
+    """One backward launch. ``exact``: for the atomic variant, the deterministic kernels
+    (``BackwardKernels``) a launch of too many row groups runs instead (``atomic_ape_pays``)."""
     n_rows = grad_out.shape[0]
     main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, few,
                                                  slab_bytes(ratio, coff, head_dim))
     groups = bwd_row_groups(n_rows, sched, rpt)
+    if reduce is None and exact is not None and not atomic_ape_pays(sched, groups):
+        _launch_backward(*exact, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                         grad_ape, ratio, coff, head_dim)
+        return
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)
     inter = int(bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, sched, rpt))
@@ -469,12 +489,24 @@ def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlen
     reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1), ape_split(slab.shape[0]))
 
 
+def _exact_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):
+    """The deterministic kernels an atomic backward may fall back to (``_launch_backward``'s
+    ``exact``), or None where it never does (or is deterministic itself)."""
+    if deterministic:
+        return None
+    atomic = _kernels_for("bwd_atomic", device, ratio, coff, head_dim)
+    if not atomic_may_fall_back(atomic[:4], atomic.few):
+        return None
+    return _kernels_for("bwd", device, ratio, coff, head_dim)
+
+
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
              ratio, coff, head_dim, deterministic=True, stream=None):
     direction = "bwd" if deterministic else "bwd_atomic"
     main, reduce, sched, per_sm, few = _kernels_for(direction, kv.device, ratio, coff, head_dim)
     args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
-            grad_score, grad_ape, ratio, coff, head_dim)
+            grad_score, grad_ape, ratio, coff, head_dim, _exact_kernels(deterministic, kv.device, ratio, coff,
+                                                                        head_dim))
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
             _launch_backward(*args)
@@ -510,11 +542,12 @@ def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int
     grad_ape)`` on the current stream."""
     main, reduce, sched, per_sm, few = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
                                             head_dim)
+    exact = _exact_kernels(deterministic, device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape):
         args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
-                grad_score, grad_ape, ratio, coff, head_dim)
+                grad_score, grad_ape, ratio, coff, head_dim, exact)
         if _current_device() != index:
             with _on_stream(kv.device, None):
                 _launch_backward(*args)

@@ -700,6 +700,27 @@ def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
     return -(-n_rows // rows_per_cta)
 
 
+#: The opt-in atomic grad_ape path (``deterministic=False``) of the stream backward adds every
+#: row group's partial into grad_ape directly, so each element takes one atomic add per row
+#: group, all near the end of a one-wave grid. Where more groups than this meet, a launch runs the
+#: deterministic kernels instead (slab stores and a reduction kernel), which are faster there.
+#: H200, session 31, bwd us atomic / deterministic (row groups): 1x131072 r128 c1 d128 43.8 /
+#: 44.5 (64), 1x8192 r128 c2 d128 11.2 / 11.2 (32), 1x65536 r64 c1 d512 76.8 / 78.0 (32),
+#: 1x65536 r128 c2 d512 155.6 / 157.8 (8), 4x8192 r16 c2 d256 51.0 / 41.7 (128). Between 64 and
+#: 128 nothing is measured. The register-window backward keeps atomics at any count: with 256-512
+#: row groups it was as fast or faster (NOTES row 64: 3x8192 r4 c2 d512 63.5 / 66.0, 64x1000 r4
+#: c2 d128 42.0 / 47.3, 1x8192 r4 c2 d128 10.8 / 10.7).
+#: Tuning knob, CSA_FRONTEND_STREAM_ATOMIC_GROUPS (0: the stream family never adds atomically).
+STREAM_ATOMIC_MAX_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_ATOMIC_GROUPS", "64"))
+
+
+def atomic_ape_pays(sched: Schedule, groups: int) -> bool:
+    """Whether a ``deterministic=False`` backward launch of ``groups`` row groups
+    (``bwd_row_groups``) under ``sched`` adds grad_ape atomically, rather than running the
+    deterministic kernels (``STREAM_ATOMIC_MAX_GROUPS``)."""
+    return sched.family != "stream" or groups <= STREAM_ATOMIC_MAX_GROUPS
+
+
 def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
     """CTAs appended to the backward grid to zero never-consumed gradient slots.
 
