@@ -2,7 +2,9 @@
 alone (the slab reduction swapped for a no-op, so grad_ape is left unwritten: a diagnostic, not
 a result), the atomic variant, the slab reduction alone on slabs of the launch's size, and the
 cost of one more small kernel per call. CUDA-graph replay, timed as bench_csa_compressor.py
-times the fused kernels.
+times the fused kernels. "atomic" is what ``deterministic=False`` runs: past
+``STREAM_ATOMIC_MAX_GROUPS`` row groups that is the deterministic kernels again; to time the
+atomic kernel at any count, raise the limit (``CSA_FRONTEND_STREAM_ATOMIC_GROUPS=1000000``).
 
     python benchmark/csa/probe_ape_tail.py --shapes 1x8192x128x2x128,1x65536x64x1x512
     CSA_FRONTEND_PDL=0 python benchmark/csa/probe_ape_tail.py ...   # without programmatic launch
