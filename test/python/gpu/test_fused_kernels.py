@@ -805,11 +805,25 @@ def serial_pack(ratio, coff, head_dim, seed):
     return kv, score, ape, cu, comp, rows
 
 
+@pytest.fixture(params=["default", "lean"])
+def serial_variant(request, monkeypatch):
+    """Both serial forwards: the default, and the lean one (``schedule.SERIAL_FWD_LEAN``) built
+    into empty compile caches for the test (the knob is not part of the cache key)."""
+    if request.param == "lean":
+        import collections
+
+        from csa_frontend.compressor.kernels import dispatch, serial_fwd
+        monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", True)
+        monkeypatch.setattr(dispatch, "_cache", collections.OrderedDict())
+        monkeypatch.setattr(dispatch, "_by_device", {})
+    return request.param
+
+
 @pytest.mark.L1
 @pytest.mark.parametrize("head_dim", [63, 64, 192, 512])
 @pytest.mark.parametrize("coff", [1, 2])
 @pytest.mark.parametrize("ratio", [1, 4, 16, 128, 200, 256])
-def test_serial_forward_has_reference_bits(ratio, coff, head_dim):
+def test_serial_forward_has_reference_bits(ratio, coff, head_dim, serial_variant):
     """Launches of up to ``serial_forward_outputs`` elements run the serial forward: ``out`` equal to
     the reference bit for bit (padding rows included), at the largest such launch."""
     kv, score, ape, cu, comp, rows = serial_pack(ratio, coff, head_dim, seed=ratio * 3 + coff)
@@ -827,7 +841,7 @@ def lengths_blocks(cu, ratio):
 @pytest.mark.L1
 @pytest.mark.parametrize("case", ["cancelling", "spread x40", "kv x1e35", "kv x1e-38", "non-finite"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 64), (128, 2, 64), (33, 1, 65)])
-def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case):
+def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case, serial_variant):
     """The serial forward on inputs where rounding and special values matter: cancelling sums,
     exponentials down to the subnormal range and zero, products near bf16's range ends, and a
     NaN score, an infinite score and an infinite kv (NaN where the reference has NaN, the

@@ -262,6 +262,31 @@ def test_exact_reciprocals_where_they_were_measured(ratio, coff, head_dim, monke
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (256, 2, 512), (64, 1, 66), (200, 2, 192), (3, 2, 65)])
+def test_lean_serial_forward_compiles(ratio, coff, head_dim, arch, monkeypatch, tmp_path):
+    """The serial forward's lean variant (``SERIAL_FWD_LEAN``, off by default) compiles on every
+    arch, affine loads (ratio a multiple of the lanes) or not: its lanes' maxima meet by
+    shuffles, its weights by the exact reciprocal and Markstein's correction (no ``div.rn``);
+    the default keeps IEEE division and no shuffles."""
+    from csa_frontend.compressor.kernels import serial_fwd
+    sched = serial_forward_schedule(ratio, coff, head_dim)
+
+    def ptx():
+        texts = kernel_ptx(lambda: dispatch._build_forward(ratio, coff, head_dim, sched, arch)[:1], monkeypatch,
+                           tmp_path)
+        assert len(texts) == 1
+        return texts[0]
+
+    default = ptx()
+    assert "div.rn.f32" in default and "shfl.sync.bfly" not in default
+    monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", True)
+    lean = ptx()
+    assert "div.rn.f32" not in lean and "rcp.approx.ftz.f32" in lean and "shfl.sync.bfly" in lean
+    assert serial_fwd.SerialForward(ratio, coff, head_dim, sched).affine() == (ratio % sched.row_lanes == 0)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 512, "bwd"), (4, 1, 128, "bwd"),
                                                            (128, 1, 128, "bwd"), (16, 2, 256, "fwd")])
 def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, direction, monkeypatch, tmp_path):

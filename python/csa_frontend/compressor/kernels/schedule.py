@@ -621,6 +621,12 @@ STREAM_SERIAL_FWD_MAX_OUTPUTS = int(os.environ.get("CSA_FRONTEND_STREAM_SERIAL_F
 #: r256 c2 d512 12.9 / 10.2-10.3, 1x4096 r256 c1 d256 9.0 / 7.7-7.8, 1x256 r16 c2 d64 2.1 / 2.2.
 SERIAL_FWD_COLS = 16
 SERIAL_FWD_LANES = 32
+#: The serial forward's lean variant (``serial_fwd``: shuffle max merge, Markstein weights,
+#: constant-offset loads, kv loaded early; 1736 -> 1400 SASS instructions at r128 c2 d128, same
+#: 32 registers), built in session 32 without a GPU: off until the device has run its bits test
+#: and timed it (NOTES row 131: predicted 1x8192 r128 c2 d128 serial 10.2 -> ~7 us). A/B knob,
+#: CSA_FRONTEND_SERIAL_FWD_LEAN=1.
+SERIAL_FWD_LEAN = os.environ.get("CSA_FRONTEND_SERIAL_FWD_LEAN", "0") == "1"
 
 
 def serial_forward_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":

@@ -15,6 +15,15 @@ CTA: one output row x ``col_threads`` (16) columns times ``row_lanes`` (32) posi
 lane + lanes, ...`` (every load of a step in flight at once) into a shared ``(position,
 column)`` tile; the two in-order sums are one thread per column walking down the tile.
 Padding rows pool segment 0's first block, as everywhere.
+
+A leaner variant, not yet run on a GPU, is behind ``schedule.SERIAL_FWD_LEAN`` (off): from 4097
+outputs a launch has several CTAs per SM and is bound by issue (NOTES row 130), so it trims the
+per-position work: the lanes' maxima meet by shuffles within a warp and one shared value per
+warp; weights by the exact reciprocal and Markstein's correction (``div_exact``, IEEE
+division's bits in three instructions, as the backwards take them); where the ratio is a
+multiple of the lanes, every position's load at a constant offset from one address per thread
+(``load_affine``); kv loaded with score and ape where its registers fit
+(``EARLY_KV_POSITIONS``). SASS, r128 c2 d128: 1736 -> 1400 instructions, 32 registers either way.
 """
 from __future__ import annotations
 
@@ -23,7 +32,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from .common import RowsForward, add_in_order, block_start, chunk_position, enter_grid, mul_rn, row_start
+from .common import (RowsForward, add_in_order, block_start, chunk_position, div_exact, enter_grid, mul_rn,
+                     rcp_of_den, row_start)
+from .schedule import SERIAL_FWD_LEAN
 
 
 class SerialForward(RowsForward):
@@ -44,9 +55,12 @@ class SerialForward(RowsForward):
         lane = tidx // cols
         col = by * cols + j
         col_ok = col < self.head_dim
+        lean = SERIAL_FWD_LEAN
         smem = SmemAllocator()
+        per_warp = 32 // cols if lean else 1  # lean: the lanes of one warp meet by shuffles first
+        warps = lanes // per_warp
         sT = smem.allocate_tensor(Float32, cute.make_layout((width, cols), stride=(cols, 1)), 16)
-        sMax = smem.allocate_tensor(Float32, cute.make_layout((lanes, cols), stride=(cols, 1)), 16)
+        sMax = smem.allocate_tensor(Float32, cute.make_layout((warps, cols), stride=(cols, 1)), 16)
         sDen = smem.allocate_tensor(Float32, cute.make_layout((cols,)), 16)
         t0, blk = row_start(mCu, mCuC, mCu.shape[0] - 1, row)
         own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
@@ -59,6 +73,9 @@ class SerialForward(RowsForward):
         rScore.fill(-BFloat16.inf)
         rApe.fill(0.0)
         self.load_positions(mS, rScore, mApe, rApe, own0, has_prev, col, col_ok, lane)
+        # lean: kv in flight with them where its registers fit, one memory round trip per row
+        early_kv = lean and per_lane <= EARLY_KV_POSITIONS
+        rKV = self.load_kv(mKV, own0, has_prev, col, col_ok, lane) if cutlass.const_expr(early_kv) else None
         m = -Float32.inf
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
@@ -66,10 +83,16 @@ class SerialForward(RowsForward):
                 s = rScore[i].to(Float32) + rApe[i]
                 sT[k, j] = s
                 m = cute.arch.fmax(m, s)
-        sMax[lane, j] = m
+        if cutlass.const_expr(lean):
+            for dist in [cols << b for b in range(per_warp.bit_length() - 1)]:
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, dist))
+            if lane % per_warp == 0:
+                sMax[lane // per_warp, j] = m
+        else:
+            sMax[lane, j] = m
         cute.arch.sync_threads()
         m = sMax[0, j]
-        for y in cutlass.range_constexpr(1, lanes):
+        for y in cutlass.range_constexpr(1, warps):
             m = cute.arch.fmax(m, sMax[y, j])
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
@@ -80,23 +103,44 @@ class SerialForward(RowsForward):
             sDen[j] = column_sum(sT, j, width)
         cute.arch.sync_threads()
         den = sDen[j]
+        rcp = rcp_of_den(den) if cutlass.const_expr(lean) else None
         # the weighted products; invalid positions: kv 0, weight 0
-        rKV = cute.make_rmem_tensor((per_lane,), BFloat16)
-        rKV.fill(0.0)
-        self.load_positions(mKV, rKV, None, None, own0, has_prev, col, col_ok, lane)
+        if cutlass.const_expr(not early_kv):
+            rKV = self.load_kv(mKV, own0, has_prev, col, col_ok, lane)
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
             if k < width:
-                sT[k, j] = mul_rn(rKV[i].to(Float32), sT[k, j] / den)
+                if cutlass.const_expr(lean):
+                    sT[k, j] = mul_rn(rKV[i].to(Float32), div_exact(sT[k, j], den, rcp))
+                else:
+                    sT[k, j] = mul_rn(rKV[i].to(Float32), sT[k, j] / den)
         cute.arch.sync_threads()
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
+
+    @cute.jit
+    def load_kv(self, mKV, own0, has_prev, col, col_ok, lane):
+        """This lane's kv values of column ``col`` (0 at invalid positions)."""
+        rKV = cute.make_rmem_tensor((-(-self.width // self.sched.row_lanes),), BFloat16)
+        rKV.fill(0.0)
+        self.load_positions(mKV, rKV, None, None, own0, has_prev, col, col_ok, lane)
+        return rKV
+
+    def affine(self) -> bool:
+        """Whether the lean variant's loads take constant offsets (``load_affine``): every
+        iteration of a lane's positions ``lane + i * lanes`` within one half of the window (the
+        ratio a multiple of the lanes), so its token, column and ape row are a base's plus
+        constants."""
+        return SERIAL_FWD_LEAN and self.ratio % self.sched.row_lanes == 0
 
     @cute.jit
     def load_positions(self, mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane):
         """This lane's valid window positions of column ``col``: ``mT`` into ``rT`` and, given
         ``mApe``, the ape row into ``rApe``; invalid positions keep what the caller filled in."""
         ratio, coff, width, lanes = self.ratio, self.coff, self.width, self.sched.row_lanes
+        if cutlass.const_expr(self.affine()):
+            self.load_affine(mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane)
+            return
         for i in cutlass.range_constexpr(-(-width // lanes)):
             k = lane + i * lanes
             if k < width:
@@ -106,6 +150,35 @@ class SerialForward(RowsForward):
                     if cutlass.const_expr(mApe is not None):
                         rApe[i] = mApe[arow, colt]
 
+    @cute.jit
+    def load_affine(self, mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane):
+        """``load_positions`` where ``affine()``: one address per thread and tensor, each
+        position's load at a constant offset from it (coff 2 reads token ``own0 - ratio + k`` in
+        both halves, the own half ``head_dim`` columns further on)."""
+        ratio, coff, d, lanes = self.ratio, self.coff, self.head_dim, self.sched.row_lanes
+        cols = coff * d
+        first = own0 - ratio if cutlass.const_expr(coff == 2) else own0  # token of position 0
+        span = cute.make_layout((self.width * cols + cols,))
+        gT = cute.make_tensor(mT.iterator + ((first + lane) * cols + col), span)
+        gA = None
+        if cutlass.const_expr(mApe is not None):
+            gA = cute.make_tensor(mApe.iterator + (lane * cols + col), span)
+        for i in cutlass.range_constexpr(self.width // lanes):
+            own_half = coff == 2 and i * lanes >= ratio
+            shift = d if own_half else 0
+            ok = col_ok
+            if cutlass.const_expr(coff == 2 and not own_half):
+                ok = col_ok and has_prev
+            if ok:
+                rT[i] = gT[i * lanes * cols + shift]
+                if cutlass.const_expr(mApe is not None):
+                    rApe[i] = gA[(i * lanes - (ratio if own_half else 0)) * cols + shift]
+
+
+#: Lean variant: positions per lane up to which kv is loaded with score and ape rather than
+#: after the denominator. 8 (windows of up to 256 positions) keep the kernel at 32 registers (4
+#: CTAs of 512 threads per SM); at 16 it took 57 instead of 40 (ptxas, sm_90a, r256 c2 d512).
+EARLY_KV_POSITIONS = 8
 
 #: Positions a column sum loads before adding them: one shared-memory latency per block instead
 #: of one per position (the loop's adds wait on each other anyway).
