@@ -20,10 +20,13 @@ A leaner variant, not yet run on a GPU, is behind ``schedule.SERIAL_FWD_LEAN`` (
 outputs a launch has several CTAs per SM and is bound by issue (NOTES row 130), so it trims the
 per-position work: the lanes' maxima meet by shuffles within a warp and one shared value per
 warp; weights by the exact reciprocal and Markstein's correction (``div_exact``, IEEE
-division's bits in three instructions, as the backwards take them); where the ratio is a
+division's bits in three instructions, as the backwards take them; ``div.rn`` where the
+exponential is below ``MARKSTEIN_MIN``); where the ratio is a
 multiple of the lanes, every position's load at a constant offset from one address per thread
 (``load_affine``); kv loaded with score and ape where its registers fit
-(``EARLY_KV_POSITIONS``). SASS, r128 c2 d128: 1736 -> 1400 instructions, 32 registers either way.
+(``EARLY_KV_POSITIONS``); the window compare per position dropped where the lanes divide the
+window. SASS, r128 c2 d128: per warp about half the instructions outside the in-order sums
+(~700 -> ~350), 31 registers against 32.
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ class SerialForward(RowsForward):
         m = -Float32.inf
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
-            if k < width:
+            if self.in_window(k):
                 s = rScore[i].to(Float32) + rApe[i]
                 sT[k, j] = s
                 m = cute.arch.fmax(m, s)
@@ -94,29 +97,59 @@ class SerialForward(RowsForward):
         m = sMax[0, j]
         for y in cutlass.range_constexpr(1, warps):
             m = cute.arch.fmax(m, sMax[y, j])
+        e_min = Float32.inf  # lean: the smallest exponential picks the weights' division
         for i in cutlass.range_constexpr(per_lane):
             k = lane + i * lanes
-            if k < width:
-                sT[k, j] = cute.math.exp(sT[k, j] - m)
+            if self.in_window(k):
+                e = cute.math.exp(sT[k, j] - m)
+                sT[k, j] = e
+                if cutlass.const_expr(lean):
+                    e_min = cute.arch.fmin(e_min, e)
         cute.arch.sync_threads()
         if lane == 0:
             sDen[j] = column_sum(sT, j, width)
         cute.arch.sync_threads()
         den = sDen[j]
-        rcp = rcp_of_den(den) if cutlass.const_expr(lean) else None
         # the weighted products; invalid positions: kv 0, weight 0
         if cutlass.const_expr(not early_kv):
             rKV = self.load_kv(mKV, own0, has_prev, col, col_ok, lane)
-        for i in cutlass.range_constexpr(per_lane):
-            k = lane + i * lanes
-            if k < width:
-                if cutlass.const_expr(lean):
-                    sT[k, j] = mul_rn(rKV[i].to(Float32), div_exact(sT[k, j], den, rcp))
-                else:
+        if cutlass.const_expr(lean):
+            # Markstein's correction is exact from MARKSTEIN_MIN up; a thread holding a smaller
+            # exponential (huge score spreads only) divides all its positions by div.rn
+            if e_min < Float32(MARKSTEIN_MIN):
+                self.weighted_products(sT, rKV, j, lane, den, None)
+            else:
+                self.weighted_products(sT, rKV, j, lane, den, rcp_of_den(den))
+        else:
+            for i in cutlass.range_constexpr(per_lane):
+                k = lane + i * lanes
+                if k < width:
                     sT[k, j] = mul_rn(rKV[i].to(Float32), sT[k, j] / den)
         cute.arch.sync_threads()
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
+
+    def in_window(self, k):
+        """Whether position ``k = lane + i * lanes`` is in the window: the lean variant knows it is
+        where the lanes divide the window (a constant, no compare per position)."""
+        if SERIAL_FWD_LEAN and self.width % self.sched.row_lanes == 0:
+            return True
+        return k < self.width
+
+    @cute.jit
+    def weighted_products(self, sT, rKV, j, lane, den, rcp):
+        """Lean variant: ``sT[k, j]`` (the exponentials) becomes ``kv * (e / den)``, the weight by
+        ``div_exact`` from ``rcp``, or with ``rcp`` None by ``div.rn``."""
+        lanes = self.sched.row_lanes
+        for i in cutlass.range_constexpr(-(-self.width // lanes)):
+            k = lane + i * lanes
+            if self.in_window(k):
+                p = Float32(0.0)
+                if cutlass.const_expr(rcp is None):
+                    p = sT[k, j] / den
+                else:
+                    p = div_exact(sT[k, j], den, rcp)
+                sT[k, j] = mul_rn(rKV[i].to(Float32), p)
 
     @cute.jit
     def load_kv(self, mKV, own0, has_prev, col, col_ok, lane):
@@ -179,6 +212,12 @@ class SerialForward(RowsForward):
 #: after the denominator. 8 (windows of up to 256 positions) keep the kernel at 32 registers (4
 #: CTAs of 512 threads per SM); at 16 it took 57 instead of 40 (ptxas, sm_90a, r256 c2 d512).
 EARLY_KV_POSITIONS = 8
+
+#: Lean variant: exponentials from which Markstein's correction is exact (quotient and
+#: remainder in the normal range for denominators up to 512; NOTES row 82). A thread with a
+#: smaller one divides by ``div.rn`` (``weighted_products``).
+MARKSTEIN_MIN = 2.0 ** -100
+
 
 #: Positions a column sum loads before adding them: one shared-memory latency per block instead
 #: of one per position (the loop's adds wait on each other anyway).
