@@ -115,7 +115,8 @@ class SerialForward(RowsForward):
             rKV = self.load_kv(mKV, own0, has_prev, col, col_ok, lane)
         if cutlass.const_expr(lean):
             # Markstein's correction is exact from MARKSTEIN_MIN up; a thread holding a smaller
-            # exponential (huge score spreads only) divides all its positions by div.rn
+            # exponential (huge score spreads; the invalid half of a segment's first block, whose
+            # exponentials are 0) divides all its positions by div.rn
             if e_min < Float32(MARKSTEIN_MIN):
                 self.weighted_products(sT, rKV, j, lane, den, None)
             else:
