@@ -198,3 +198,25 @@ def test_forward_doubt_model():
     for flips, in_doubt, _ in (narrow, wide):
         assert 0.0 <= flips < 1e-2 and flips <= in_doubt
     assert wide[1] > 0.1 > 10 * narrow[1]
+
+
+@pytest.mark.L0
+def test_sass_budget_counts_instructions_per_barrier_region():
+    """``sass_budget.sass_regions``: opcodes without modifiers or predicates, regions closed by
+    each BAR (the barrier counts in the region it ends), labels and comments ignored."""
+    import sass_budget
+
+    sass = """
+        .text.kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 LDG.E.U16 R20, desc[UR6][R8.64+0x10100] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+    .L_x_3:
+        /*0030*/               @P2 BRA `(.L_x_3) ;
+        /*0040*/                   FADD R20, R19, R20 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/                   EXIT ;
+    """
+    ops, regions = sass_budget.sass_regions(sass)
+    assert regions == [3, 3, 1]
+    assert ops == {"LDC": 1, "LDG": 1, "BAR": 2, "BRA": 1, "FADD": 1, "EXIT": 1}

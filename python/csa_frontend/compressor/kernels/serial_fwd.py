@@ -25,8 +25,8 @@ exponential is below ``MARKSTEIN_MIN``); where the ratio is a
 multiple of the lanes, every position's load at a constant offset from one address per thread
 (``load_affine``); kv loaded with score and ape where its registers fit
 (``EARLY_KV_POSITIONS``); the window compare per position dropped where the lanes divide the
-window. SASS, r128 c2 d128: per warp about half the instructions outside the in-order sums
-(~700 -> ~350), 31 registers against 32.
+window. SASS, r128 c2 d128 (``benchmark/csa/sass_budget.py``): a warp's common path outside
+the in-order sums ~570 -> ~370 instructions, 31 registers against 32.
 """
 from __future__ import annotations
 
