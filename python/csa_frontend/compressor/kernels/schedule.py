@@ -623,9 +623,9 @@ SERIAL_FWD_COLS = 16
 SERIAL_FWD_LANES = 32
 #: The serial forward's lean variant (``serial_fwd``: shuffle max merge, Markstein weights,
 #: constant-offset loads, kv loaded early; per warp about a third fewer SASS instructions outside
-#: the in-order sums at r128 c2 d128, 31 registers against 32), built in session 32 without a GPU: off until the device has run its bits test
-#: and timed it (NOTES row 131: predicted 1x8192 r128 c2 d128 serial 10.2 -> ~7.5 us). A/B knob,
-#: CSA_FRONTEND_SERIAL_FWD_LEAN=1.
+#: the in-order sums at r128 c2 d128, 31 registers against 32), built in session 32 without a
+#: GPU: off until the device has run its bits tests and timed it (NOTES row 131: predicted
+#: 1x8192 r128 c2 d128 serial 10.2 -> ~7.5 us). A/B knob, CSA_FRONTEND_SERIAL_FWD_LEAN=1.
 SERIAL_FWD_LEAN = os.environ.get("CSA_FRONTEND_SERIAL_FWD_LEAN", "0") == "1"
 
 
