@@ -471,7 +471,7 @@ def test_atomic_backward_launch_falls_back_to_the_deterministic_kernels():
     assert calls[0][1][0] == sch.STREAM_ATOMIC_MAX_GROUPS + 1  # one slab per row group
     names, _ = launch(10 * row_ctas, atomic, None)  # no fallback at hand: atomics at any count
     assert names == ["atomic main"]
-    names, _ = launch(10 * row_ctas, exact, None)
+    names, _ = launch(10 * row_ctas, exact, dispatch.BackwardKernels(*atomic))  # fallback ignored
     assert names == ["exact main", "exact reduce"]
 
 
