@@ -593,6 +593,12 @@ def test_atomic_path_takes_the_deterministic_kernels_where_row_groups_contend(mo
         return fast[2]
 
     assert sched.family == "stream" and torch.equal(atomic_run(), det[2])
+    # the wrapper too, on its checked first call and on its prepared fast path after it
+    from csa_frontend import csa_compressor_backward_wrapper
+    for _ in range(2):
+        got = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, ratio=ratio, coff=coff,
+                                              deterministic=False)
+        assert torch.equal(got["grad_ape"], det[2]) and torch.equal(got["grad_kv"], det[0])
     monkeypatch.setattr(schedule, "STREAM_ATOMIC_MAX_GROUPS", 10 ** 6)
     torch.testing.assert_close(atomic_run(), det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
 
