@@ -811,15 +811,16 @@ def serial_pack(ratio, coff, head_dim, seed):
     return kv, score, ape, cu, comp, rows
 
 
-@pytest.fixture(params=["default", "lean"])
+@pytest.fixture(params=["lean", "classic"])
 def serial_variant(request, monkeypatch):
-    """Both serial forwards: the default, and the lean one (``schedule.SERIAL_FWD_LEAN``) built
-    into empty compile caches for the test (the knob is not part of the cache key)."""
-    if request.param == "lean":
+    """Both serial forwards (``schedule.SERIAL_FWD_LEAN``): the one the knob does not select is
+    built into empty compile caches for the test (the knob is not part of the cache key)."""
+    from csa_frontend.compressor.kernels import dispatch, serial_fwd
+    lean = request.param == "lean"
+    if lean != serial_fwd.SERIAL_FWD_LEAN:
         import collections
 
-        from csa_frontend.compressor.kernels import dispatch, serial_fwd
-        monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", True)
+        monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", lean)
         monkeypatch.setattr(dispatch, "_cache", collections.OrderedDict())
         monkeypatch.setattr(dispatch, "_by_device", {})
     return request.param

@@ -265,10 +265,10 @@ def test_exact_reciprocals_where_they_were_measured(ratio, coff, head_dim, monke
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (256, 2, 512), (64, 1, 66), (200, 2, 192), (3, 2, 65)])
 def test_lean_serial_forward_compiles(ratio, coff, head_dim, arch, monkeypatch, tmp_path):
-    """The serial forward's lean variant (``SERIAL_FWD_LEAN``, off by default) compiles on every
+    """The serial forward's lean variant (``SERIAL_FWD_LEAN``, the default) compiles on every
     arch, affine loads (ratio a multiple of the lanes) or not: its lanes' maxima meet by
     shuffles, its weights by the exact reciprocal and Markstein's correction (``div.rn`` only
-    behind the branch for tiny exponentials); the default has neither."""
+    behind the branch for tiny exponentials); the classic variant has neither."""
     from csa_frontend.compressor.kernels import serial_fwd
     sched = serial_forward_schedule(ratio, coff, head_dim)
 
@@ -278,8 +278,9 @@ def test_lean_serial_forward_compiles(ratio, coff, head_dim, arch, monkeypatch, 
         assert len(texts) == 1
         return texts[0]
 
-    default = ptx()
-    assert "div.rn.f32" in default and "shfl.sync.bfly" not in default and "rcp.approx.ftz.f32" not in default
+    monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", False)
+    classic = ptx()
+    assert "div.rn.f32" in classic and "shfl.sync.bfly" not in classic and "rcp.approx.ftz.f32" not in classic
     monkeypatch.setattr(serial_fwd, "SERIAL_FWD_LEAN", True)
     lean = ptx()
     # Markstein weights from the exact reciprocal; div.rn stays only for tiny exponentials

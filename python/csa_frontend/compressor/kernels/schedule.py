@@ -623,10 +623,12 @@ SERIAL_FWD_COLS = 16
 SERIAL_FWD_LANES = 32
 #: The serial forward's lean variant (``serial_fwd``: shuffle max merge, Markstein weights,
 #: constant-offset loads, kv loaded early; per warp about a third fewer SASS instructions outside
-#: the in-order sums at r128 c2 d128, 31 registers against 32), built in session 32 without a
-#: GPU: off until the device has run its bits tests and timed it (NOTES row 131: predicted
-#: 1x8192 r128 c2 d128 serial 10.2 -> ~7.5 us). A/B knob, CSA_FRONTEND_SERIAL_FWD_LEAN=1.
-SERIAL_FWD_LEAN = os.environ.get("CSA_FRONTEND_SERIAL_FWD_LEAN", "0") == "1"
+#: the in-order sums at r128 c2 d128, 31 registers against 32). H200, session 32, same run, fwd
+#: us with every launch up to 20000 outputs serial, classic / lean: 1x2048 r128 c2 d128 5.32 /
+#: 4.82, 1x4096 7.46 / 6.55, 1x8192 10.21 / 9.14, 1x16384 17.56 / 14.87, 1x4096 r256 c1 d256
+#: 7.52 / 6.43, 1x1024 r256 c2 d512 10.07 / 9.34 (NOTES row 131). A/B knob,
+#: CSA_FRONTEND_SERIAL_FWD_LEAN=0 for the classic variant.
+SERIAL_FWD_LEAN = os.environ.get("CSA_FRONTEND_SERIAL_FWD_LEAN", "1") == "1"
 
 
 def serial_forward_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
