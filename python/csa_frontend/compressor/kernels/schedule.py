@@ -714,8 +714,12 @@ def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
 #: deterministic kernels instead (slab stores and a reduction kernel), which are faster there.
 #: H200, session 31, bwd us atomic / deterministic (row groups): 1x131072 r128 c1 d128 43.8 /
 #: 44.5 (64), 1x8192 r128 c2 d128 11.2 / 11.2 (32), 1x65536 r64 c1 d512 76.8 / 78.0 (32),
-#: 1x65536 r128 c2 d512 155.6 / 157.8 (8), 4x8192 r16 c2 d256 51.0 / 41.7 (128). Between 64 and
-#: 128 nothing is measured. The register-window backward keeps atomics at any count: with 256-512
+#: 1x65536 r128 c2 d512 155.6 / 157.8 (8), 4x8192 r16 c2 d256 51.0 / 41.7 (128). Above 64 the
+#: count alone does not predict it (session 32, pure atomics against the default: 1x65536 r29 c2
+#: d192 64.4 / 66.6 (84), r17 c2 d256 83.3 / 84.7 (95), r20 c2 d128 43.6 / 44.2 (182), but r16
+#: 51.2 / 41.7 (128) and 1x65536 r32 c1 d64 17.3 / 13.2 (512)), so the limit stays where atomics
+#: never lost: the opt-in path is never slower than the default, and gives up at most ~3% where
+#: atomics would have won. The register-window backward keeps atomics at any count: with 256-512
 #: row groups it was as fast or faster (NOTES row 64: 3x8192 r4 c2 d512 63.5 / 66.0, 64x1000 r4
 #: c2 d128 42.0 / 47.3, 1x8192 r4 c2 d128 10.8 / 10.7).
 #: Tuning knob, CSA_FRONTEND_STREAM_ATOMIC_GROUPS (0: the stream family never adds atomically).
