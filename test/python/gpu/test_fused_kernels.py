@@ -567,7 +567,6 @@ def test_atomic_grad_ape_path(ratio, coff, head_dim):
     torch.testing.assert_close(fast[2], det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
 
 
-
 @pytest.mark.L1
 def test_atomic_path_takes_the_deterministic_kernels_where_row_groups_contend(monkeypatch):
     """deterministic=False at r16 c2 d256 with more row groups than STREAM_ATOMIC_MAX_GROUPS runs
@@ -601,6 +600,7 @@ def test_atomic_path_takes_the_deterministic_kernels_where_row_groups_contend(mo
         assert torch.equal(got["grad_ape"], det[2]) and torch.equal(got["grad_kv"], det[0])
     monkeypatch.setattr(schedule, "STREAM_ATOMIC_MAX_GROUPS", 10 ** 6)
     torch.testing.assert_close(atomic_run(), det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
+
 
 # ---- long row walks: the cp.async row pipeline across segment boundaries ----
 

@@ -18,15 +18,15 @@ Padding rows pool segment 0's first block, as everywhere.
 
 The lean variant (``schedule.SERIAL_FWD_LEAN``, the default since session 32; 7-15% faster on
 the H200): from 4097 outputs a launch has several CTAs per SM and is bound by issue (NOTES row
-130), so it trims the per-position work. The lanes' maxima meet by shuffles within a warp and one shared value per
-warp; weights come from the exact reciprocal and Markstein's correction (``div_exact``: IEEE
-division's bits in three instructions, as the backwards take them; ``div.rn`` where an
-exponential is below ``MARKSTEIN_MIN``); where the ratio is a multiple of the lanes, every
-position's load is a constant offset from one address per thread (``load_affine``); kv is
-loaded with score and ape where its registers fit (``EARLY_KV_POSITIONS``); the window compare
-per position goes where the lanes divide the window. SASS, r128 c2 d128
-(``benchmark/csa/sass_budget.py``): a warp's common path outside the in-order sums ~570 -> ~370
-instructions, 31 registers against 32.
+130), so it trims the per-position work. The lanes' maxima meet by shuffles within a warp and
+one shared value per warp; weights come from the exact reciprocal and Markstein's correction
+(``div_exact``: IEEE division's bits in three instructions, as the backwards take them;
+``div.rn`` where an exponential is below ``MARKSTEIN_MIN``); where the ratio is a multiple of
+the lanes, every position's load is a constant offset from one address per thread
+(``load_affine``); kv is loaded with score and ape where its registers fit
+(``EARLY_KV_POSITIONS``); the window compare per position goes where the lanes divide the
+window. SASS, r128 c2 d128 (``benchmark/csa/sass_budget.py``): a warp's common path outside
+the in-order sums ~570 -> ~370 instructions, 31 registers against 32.
 """
 from __future__ import annotations
 
