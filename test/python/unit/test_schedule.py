@@ -476,8 +476,9 @@ def test_atomic_backward_launch_falls_back_to_the_deterministic_kernels():
 
 
 def test_atomic_backward_looks_up_its_fallback_only_where_it_needs_one(monkeypatch):
-    """``dispatch._exact_kernels``: the deterministic direction's kernels for an atomic variant
-    that may meet too many row groups (default or few-rows schedule), else None."""
+    """``dispatch._backward_kernels``: the direction's kernels, and the deterministic direction's
+    for an atomic variant that may meet too many row groups (default or few-rows schedule), else
+    None; each looked up once."""
     from csa_frontend.compressor.kernels import dispatch
     looked_up = []
 
@@ -489,12 +490,14 @@ def test_atomic_backward_looks_up_its_fallback_only_where_it_needs_one(monkeypat
         return dispatch.BackwardKernels(direction, None, s, 2 if s.threads == 256 else 1, few)
 
     monkeypatch.setattr(dispatch, "_kernels_for", kernels_for)
-    assert dispatch._exact_kernels(True, None, 16, 2, 256) is None and looked_up == []
-    assert dispatch._exact_kernels(False, None, 16, 2, 256).main == "bwd"
-    assert looked_up == ["bwd_atomic", "bwd"]
+    kernels, exact = dispatch._backward_kernels(True, None, 16, 2, 256)
+    assert kernels.main == "bwd" and exact is None and looked_up == ["bwd"]
     looked_up.clear()
-    assert dispatch._exact_kernels(False, None, 128, 2, 512) is None and looked_up == ["bwd_atomic"]
-    assert dispatch._exact_kernels(False, None, 4, 2, 512) is None  # window family
+    kernels, exact = dispatch._backward_kernels(False, None, 16, 2, 256)
+    assert kernels.main == "bwd_atomic" and exact.main == "bwd" and looked_up == ["bwd_atomic", "bwd"]
+    looked_up.clear()
+    assert dispatch._backward_kernels(False, None, 128, 2, 512)[1] is None and looked_up == ["bwd_atomic"]
+    assert dispatch._backward_kernels(False, None, 4, 2, 512)[1] is None  # window family
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim,once", [

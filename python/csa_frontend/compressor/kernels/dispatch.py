@@ -489,24 +489,21 @@ def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlen
     reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1), ape_split(slab.shape[0]))
 
 
-def _exact_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):
-    """The deterministic kernels an atomic backward may fall back to (``_launch_backward``'s
-    ``exact``), or None where it never does (or is deterministic itself)."""
-    if deterministic:
-        return None
-    atomic = _kernels_for("bwd_atomic", device, ratio, coff, head_dim)
-    if not atomic_may_fall_back(atomic[:4], atomic.few):
-        return None
-    return _kernels_for("bwd", device, ratio, coff, head_dim)
+def _backward_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):
+    """(the kernels a backward launches, the deterministic ones an atomic launch may fall back to:
+    ``_launch_backward``'s ``exact``, or None where it never does or is deterministic itself),
+    each looked up once."""
+    kernels = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff, head_dim)
+    if deterministic or not atomic_may_fall_back(kernels[:4], kernels.few):
+        return kernels, None
+    return kernels, _kernels_for("bwd", device, ratio, coff, head_dim)
 
 
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *,
              ratio, coff, head_dim, deterministic=True, stream=None):
-    direction = "bwd" if deterministic else "bwd_atomic"
-    main, reduce, sched, per_sm, few = _kernels_for(direction, kv.device, ratio, coff, head_dim)
-    args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
-            grad_score, grad_ape, ratio, coff, head_dim, _exact_kernels(deterministic, kv.device, ratio, coff,
-                                                                        head_dim))
+    kernels, exact = _backward_kernels(deterministic, kv.device, ratio, coff, head_dim)
+    args = (*kernels, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio,
+            coff, head_dim, exact)
     if _needs_guard(kv.device, stream):
         with _on_stream(kv.device, stream):
             _launch_backward(*args)
@@ -540,14 +537,12 @@ def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int
                       deterministic: bool = True) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
     grad_ape)`` on the current stream."""
-    main, reduce, sched, per_sm, few = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff,
-                                            head_dim)
-    exact = _exact_kernels(deterministic, device, ratio, coff, head_dim)
+    kernels, exact = _backward_kernels(deterministic, device, ratio, coff, head_dim)
     index = device.index
 
     def launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape):
-        args = (main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv,
-                grad_score, grad_ape, ratio, coff, head_dim, exact)
+        args = (*kernels, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+                ratio, coff, head_dim, exact)
         if _current_device() != index:
             with _on_stream(kv.device, None):
                 _launch_backward(*args)

@@ -122,10 +122,7 @@ class SerialForward(RowsForward):
             else:
                 self.weighted_products(sT, rKV, j, lane, den, rcp_of_den(den))
         else:
-            for i in cutlass.range_constexpr(per_lane):
-                k = lane + i * lanes
-                if k < width:
-                    sT[k, j] = mul_rn(rKV[i].to(Float32), sT[k, j] / den)
+            self.weighted_products(sT, rKV, j, lane, den, None)
         cute.arch.sync_threads()
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
@@ -139,13 +136,12 @@ class SerialForward(RowsForward):
 
     @cute.jit
     def weighted_products(self, sT, rKV, j, lane, den, rcp):
-        """Lean variant: ``sT[k, j]`` (the exponentials) becomes ``kv * (e / den)``, the weight by
-        ``div_exact`` from ``rcp``, or with ``rcp`` None by ``div.rn``."""
+        """``sT[k, j]`` (the exponentials) becomes ``kv * (e / den)``, the weight by ``div_exact``
+        from ``rcp`` (lean variant), or with ``rcp`` None by ``div.rn``."""
         lanes = self.sched.row_lanes
         for i in cutlass.range_constexpr(-(-self.width // lanes)):
             k = lane + i * lanes
             if self.in_window(k):
-                p = Float32(0.0)
                 if cutlass.const_expr(rcp is None):
                     p = sT[k, j] / den
                 else:
