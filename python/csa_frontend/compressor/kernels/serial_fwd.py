@@ -51,7 +51,7 @@ class SerialForward(RowsForward):
         enter_grid(self.pdl)
         ratio, width = self.ratio, self.width
         cols, lanes = self.sched.col_threads, self.sched.row_lanes
-        per_lane = -(-width // lanes)
+        per_lane = self.per_lane()
         tidx, _, _ = cute.arch.thread_idx()
         row, by, _ = cute.arch.block_idx()
         j = tidx % cols
@@ -127,6 +127,10 @@ class SerialForward(RowsForward):
         if lane == 0 and col_ok:
             mOut[row, col] = column_sum(sT, j, width).to(BFloat16)
 
+    def per_lane(self) -> int:
+        """Window positions per lane: ``lane + i * lanes`` for ``i`` below this."""
+        return -(-self.width // self.sched.row_lanes)
+
     def in_window(self, k):
         """Whether position ``k = lane + i * lanes`` is in the window: the lean variant knows it is
         where the lanes divide the window (a constant, no compare per position)."""
@@ -139,7 +143,7 @@ class SerialForward(RowsForward):
         """``sT[k, j]`` (the exponentials) becomes ``kv * (e / den)``, the weight by ``div_exact``
         from ``rcp`` (lean variant), or with ``rcp`` None by ``div.rn``."""
         lanes = self.sched.row_lanes
-        for i in cutlass.range_constexpr(-(-self.width // lanes)):
+        for i in cutlass.range_constexpr(self.per_lane()):
             k = lane + i * lanes
             if self.in_window(k):
                 if cutlass.const_expr(rcp is None):
@@ -151,7 +155,7 @@ class SerialForward(RowsForward):
     @cute.jit
     def load_kv(self, mKV, own0, has_prev, col, col_ok, lane):
         """This lane's kv values of column ``col`` (0 at invalid positions)."""
-        rKV = cute.make_rmem_tensor((-(-self.width // self.sched.row_lanes),), BFloat16)
+        rKV = cute.make_rmem_tensor((self.per_lane(),), BFloat16)
         rKV.fill(0.0)
         self.load_positions(mKV, rKV, None, None, own0, has_prev, col, col_ok, lane)
         return rKV
@@ -171,7 +175,7 @@ class SerialForward(RowsForward):
         if cutlass.const_expr(self.affine()):
             self.load_affine(mT, rT, mApe, rApe, own0, has_prev, col, col_ok, lane)
             return
-        for i in cutlass.range_constexpr(-(-width // lanes)):
+        for i in cutlass.range_constexpr(self.per_lane()):
             k = lane + i * lanes
             if k < width:
                 tok, colt, arow, ok = chunk_position(own0, has_prev, col, k, ratio, coff, self.head_dim)
