@@ -3,7 +3,8 @@
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
 # forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
 # the stream family, their backwards under both row-count schedules; every forward of these small
-# packs both as the serial forward and as its family's own; r4 c2 d512 through the bulk-copy
+# packs both as the serial forward and as its family's own (the stream forward also on launches of
+# rows * ratio == tokens, where it guesses its first rows); r4 c2 d512 through the bulk-copy
 # forward and the interleaved backward row walk; the atomic grad_ape path of five of them; a side-stream call;
 # a pack without rows) under
 # compute-sanitizer's memcheck, racecheck and initcheck, one after another, and prints one summary

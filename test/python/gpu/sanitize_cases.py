@@ -29,11 +29,18 @@ CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2,
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 
-def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True):
+def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, whole_launch=False):
+    """``whole_launch``: kv and the output rows sized so that rows * ratio == tokens, where the
+    stream forward requests its first rows before their lookups (``STREAM_FWD_GUESS``); the
+    pack's tails and padding rows make some of those guesses wrong."""
     gen = torch.Generator(device="cuda").manual_seed(ratio + coff)
     cu, comp = offsets(edge_lengths(ratio) * repeat, ratio)
-    kv, score, ape = random_inputs(int(cu[-1]) + SPARE_TOKENS, ratio, coff, head_dim, generator=gen)
     total = int(comp[-1]) + PADDING_ROWS
+    n_tok = int(cu[-1]) + SPARE_TOKENS
+    if whole_launch:
+        total = max(total, -(-n_tok // ratio))
+        n_tok = total * ratio
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim, generator=gen)
     grad_out = torch.randn(total, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
     kw = dict(ratio=ratio, coff=coff, stream=stream)
     if stream is not None:
@@ -83,6 +90,10 @@ def main():
         for case in CASES:
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (the family's forward): ok", flush=True)
+        # the stream forward's first-row guesses, right ones and wrong ones (tails, padding rows)
+        for case in [(64, 2, 128), (128, 2, 64), (32, 1, 64)]:
+            run_case(*case, repeat=3, whole_launch=True)
+        print("stream forwards of rows * ratio == tokens launches: ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
     from csa_frontend.compressor.kernels import schedule
     with knobs(STREAM_BWD_FEW_ROWS=0):

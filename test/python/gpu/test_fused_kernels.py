@@ -700,6 +700,50 @@ def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff,
         assert torch.equal(out, outs[0])
 
 
+def guess_packs(ratio):
+    """(segment lengths, tokens in kv, output rows) of packs that make the stream forward's first-row
+    guess (``STREAM_FWD_GUESS``) right, wrong, or not taken: whole blocks (one segment or several,
+    empty ones too); a launch of ``T / ratio`` rows whose segments have tails, so later segments'
+    rows and the padding rows guess wrong; tokens past the pack; ragged rows, where no guess runs."""
+    return {
+        "whole": ([40 * ratio, 0, 25 * ratio, 70 * ratio], None, None),
+        "one_segment": ([150 * ratio], None, None),
+        "tails_in_whole_launch": ([40 * ratio + 3, 30 * ratio + ratio - 3, 0, 65 * ratio], None, 136),
+        "tokens_past_the_pack": ([135 * ratio], 140 * ratio, 140),
+        "ragged": ([37 * ratio + 5, 0, ratio - 1, ratio, 97 * ratio + 1], None, None),
+    }
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (64, 2, 64), (33, 2, 130),
+                                               (20, 1, 96)])
+def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, pack, ratio, coff, head_dim):
+    """The stream forward requests each CTA's first row at ``row * ratio`` before its lookup
+    answers and again where the lookup disagrees; every row (padding included) gets the same
+    bits as without the guess, with CTAs that walk one row or many."""
+    from csa_frontend.compressor.kernels import dispatch, stream_fwd
+    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+    lengths, n_tok, rows = guess_packs(ratio)[pack]
+    cu, comp = offsets(lengths, ratio)
+    n_tok = n_tok or int(cu[-1])
+    rows = rows or int(comp[-1])
+    assert (rows * ratio == n_tok) is (pack != "ragged")
+    assert rows * head_dim > schedule.serial_forward_outputs("stream")  # not the serial forward
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
+    outs = {}
+    for guess in (False, True):
+        monkeypatch.setattr(stream_fwd, "STREAM_FWD_GUESS", guess)
+        dispatch.clear_cache()
+        for sms in (0, 5):
+            monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", sms)
+            outs[guess, sms] = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
+    dispatch.clear_cache()
+    for sms in (0, 5):
+        assert not torch.isnan(outs[True, sms].float()).any(), "rows left unwritten"
+        assert torch.equal(outs[True, sms], outs[False, sms])
+
+
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----
 
 @pytest.fixture

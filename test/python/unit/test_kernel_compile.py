@@ -361,6 +361,25 @@ def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, knob, 
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (33, 2, 130)])
+def test_stream_forward_requests_its_guessed_first_row_before_the_lookup(ratio, coff, head_dim, monkeypatch,
+                                                                        tmp_path):
+    """``STREAM_FWD_GUESS`` (default on): the stream forward's first copies go out ahead of its
+    row lookup's ballot (the one-round lookup, ``LOOKUP_ONE_ROUND``); without the guess every copy
+    waits for the lookup."""
+    from csa_frontend.compressor.kernels import stream_fwd
+
+    def copies_before_the_lookup(guess):
+        monkeypatch.setattr(stream_fwd, "STREAM_FWD_GUESS", guess)
+        ptx = planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch, tmp_path)
+        return ptx.index("cp.async.") < ptx.index("vote.sync.ballot")
+
+    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+    assert copies_before_the_lookup(True)
+    assert not copies_before_the_lookup(False)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("loads", [1, 2, 4])
 def test_one_round_tiers_up_to_the_widest(loads, monkeypatch, tmp_path):
     """``LOOKUP_ONE_ROUND`` is the widest round: the forward's lookup has one tier per power of

@@ -752,6 +752,22 @@ def zero_fill_ctas(n_segments: int, sched: Schedule) -> int:
 #: d512 297.0-298.2 -> 296.0-296.1, 1x65536 r64 c1 d512 78.2-78.3 -> 77.8-77.9; every other
 #: row and direction within 0.3 us either way. Tuning knob (A/B), CSA_FRONTEND_FIRST_ROW_ALONE=0.
 FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
+#: Stream forward: each CTA requests its first row at the tokens it has when every segment is a
+#: whole number of blocks (``row * ratio``) before its row lookup answers, and requests it again
+#: where the lookup disagrees (padding rows, rows after a tail). Guessed only in launches of
+#: exactly ``tokens / ratio`` rows: ``sum_s floor(L_s / ratio) = T / ratio`` holds only if no
+#: segment has a tail, so there every real row's guess is right; other packs (where a wrong guess
+#: costs the CTA one more round trip) request after the lookup as before. The lookup is a
+#: dependent round trip before any of a CTA's bytes are requested. Same results. Measured on the
+#: H200 (NOTES row 134, two alternating rounds, fwd us off -> on): 4x8192 r16 c2 d256 20.54,
+#: 20.58 -> 20.12, 20.01; 16x2048 r16 c2 d256 20.43, 20.62 -> 20.18, 20.05; 1x8192 r128 c2 d128
+#: 5.08, 5.09 -> 4.82, 4.77; 1x65536 r128 c2 d512 67.25, 67.77 -> 66.36, 66.88; 48x2048 r32 c2
+#: d256 53.58, 53.75 -> 52.81, 53.09; 1x131072 r128 c1 d128 19.59, 19.78 -> 19.76, 19.70 (an
+#: earlier call: 19.58, 19.46 -> 19.38, 19.19); the ragged 100x1311 r128 c1 d128 (no guess)
+#: 20.43, 20.50 -> 20.72, 20.57. Guessing ragged packs too had cost that one 20.1 -> 20.4-20.7,
+#: and the register-window forward guessing every thread's row was slower (64x1000 r4 c2 d128
+#: 19.7 -> 22.9-25.1 us: 48 -> 56 registers). Tuning knob (A/B), CSA_FRONTEND_STREAM_FWD_GUESS=0.
+STREAM_FWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_FWD_GUESS", "1") == "1"
 #: Row lookups (``common.row_start``, ``row_span``): the segment search starts without waiting
 #: for ``cu_seqlens_comp[n_seg]`` (the padding test), which is loaded alongside the first probe
 #: and applied afterwards. Every kernel's first row of a launch is a chain of dependent loads

@@ -28,7 +28,8 @@ from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_s
                      exp2_half_squared, fma_rn, row_span, safe_max, stage_buffers, stage_slots)
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
-from .schedule import FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_STAGED, chunks_per_warp, warp_groups
+from .schedule import (FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED, chunks_per_warp,
+                       warp_groups)
 
 
 @cute.jit
@@ -65,6 +66,16 @@ def merge_groups(sM: cute.Tensor, sD: cute.Tensor, sA: cute.Tensor, par: Int32, 
         d = add_in_order(d, sD[par, g, j] * f, g == 0)
         a = add_in_order(a, sA[par, g, j] * f, g == 0)
     return a / d
+
+
+@cute.jit
+def request_row(mKV: cute.Tensor, mS: cute.Tensor, slots: cute.Tensor, own0: Int32, has_prev: cutlass.Boolean,
+                active: cutlass.Boolean, cv: Int32, k0: Int32, chunk: cutlass.Constexpr, ratio: cutlass.Constexpr,
+                coff: cutlass.Constexpr, n_vec: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Start copying one row's chunk into ``slots``, committed as one group."""
+    if active:
+        stage_any_chunk(mKV, mS, slots, own0, has_prev, cv, k0, chunk, ratio, coff, n_vec, vec)
+    cute.arch.cp_async_commit_group()
 
 
 def merge_buffers(groups: int, tile_cols: int):
@@ -125,9 +136,25 @@ class StreamForward(PoolingKernel):
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
         row = bx * rows_per_cta
+        guess = staged and STREAM_FWD_GUESS
+        if cutlass.const_expr(guess):
+            # the first row requested before its lookup answers, where a launch of T / ratio
+            # rows makes row * ratio its first token (STREAM_FWD_GUESS); checked below
+            whole = n_rows * self.ratio == mKV.shape[0]
+            g_own0, g_has_prev = block_start(Int32(0), row, self.ratio, mKV.shape[0])
+            if whole:
+                request_row(mKV, mS, stage_slots(sBuf, 0, tidx), g_own0, g_has_prev, active, cv, k0, chunk,
+                            self.ratio, self.coff, n_vec, vec)
         t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("fwd"))
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
-        if cutlass.const_expr(staged):
+        if cutlass.const_expr(guess):
+            if not whole or own0 != g_own0 or has_prev != g_has_prev:
+                cute.arch.cp_async_wait_group(0)  # a wrong guess's copies land before the slots are reused
+                request_row(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, active, cv, k0, chunk, self.ratio,
+                            self.coff, n_vec, vec)
+            if cutlass.const_expr(FIRST_ROW_ALONE):
+                cute.arch.cp_async_wait_group(0)
+        elif cutlass.const_expr(staged):
             if row < n_rows and active:
                 stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
                                 self.coff, n_vec, vec)
