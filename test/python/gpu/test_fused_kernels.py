@@ -701,8 +701,8 @@ def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff,
 
 
 def guess_packs(ratio):
-    """(segment lengths, tokens in kv, output rows) of packs that make the stream forward's first-row
-    guess (``STREAM_FWD_GUESS``) right, wrong, or not taken: whole blocks (one segment or several,
+    """(segment lengths, tokens in kv, output rows) of packs that make the stream kernels' first-row
+    guess (``STREAM_FWD_GUESS``, ``STREAM_BWD_GUESS``) right, wrong, or not taken: whole blocks (one segment or several,
     empty ones too); a launch of ``T / ratio`` rows whose segments have tails, so later segments'
     rows and the padding rows guess wrong; tokens past the pack; ragged rows, where no guess runs."""
     return {
@@ -714,16 +714,32 @@ def guess_packs(ratio):
     }
 
 
+def guessed_and_unguessed(monkeypatch, direction, run):
+    """``run(walk)`` with the stream kernel of ``direction`` guessing its CTAs' first rows
+    (``STREAM_FWD_GUESS``/``STREAM_BWD_GUESS``) and without, for grids of one wave and of CTAs
+    that walk many rows (``walk``, which sets the grid knobs)."""
+    from csa_frontend.compressor.kernels import dispatch, stream_bwd, stream_fwd
+    module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
+    results = {}
+    for guess in (False, True):
+        monkeypatch.setattr(module, knob, guess)
+        dispatch.clear_cache()
+        for walk in (False, True):
+            results[guess, walk] = run(walk)
+    dispatch.clear_cache()
+    return results
+
+
 @pytest.mark.L1
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (64, 2, 64), (33, 2, 130),
                                                (20, 1, 96)])
-def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, pack, ratio, coff, head_dim):
-    """The stream forward requests each CTA's first row at ``row * ratio`` before its lookup
-    answers and again where the lookup disagrees; every row (padding included) gets the same
-    bits as without the guess, with CTAs that walk one row or many."""
-    from csa_frontend.compressor.kernels import dispatch, stream_fwd
-    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack, ratio, coff, head_dim):
+    """The stream kernels may request each CTA's first row at ``row * ratio`` before its lookup
+    answers and again where the lookup disagrees; every output (padding rows included) and every
+    gradient gets the same bits as without the guess, with CTAs that walk one row or many."""
+    assert choose_schedule(ratio, coff, head_dim, direction).family == "stream"
     lengths, n_tok, rows = guess_packs(ratio)[pack]
     cu, comp = offsets(lengths, ratio)
     n_tok = n_tok or int(cu[-1])
@@ -731,17 +747,22 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, pack, ratio, co
     assert (rows * ratio == n_tok) is (pack != "ragged")
     assert rows * head_dim > schedule.serial_forward_outputs("stream")  # not the serial forward
     kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
-    outs = {}
-    for guess in (False, True):
-        monkeypatch.setattr(stream_fwd, "STREAM_FWD_GUESS", guess)
-        dispatch.clear_cache()
-        for sms in (0, 5):
-            monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", sms)
-            outs[guess, sms] = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
-    dispatch.clear_cache()
-    for sms in (0, 5):
-        assert not torch.isnan(outs[True, sms].float()).any(), "rows left unwritten"
-        assert torch.equal(outs[True, sms], outs[False, sms])
+    grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
+
+    grid = {name: getattr(schedule, name) for name in ("STREAM_FWD_GRID_SMS", "STREAM_GRID_SMS")}
+
+    def run(walk):
+        for name, value in grid.items():  # 5 SMs' worth of CTAs: each walks many rows
+            monkeypatch.setattr(schedule, name, 5 if walk else value)
+        if direction == "fwd":
+            return (run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows),)
+        return run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+
+    results = guessed_and_unguessed(monkeypatch, direction, run)
+    for walk in (False, True):
+        for got, want in zip(results[True, walk], results[False, walk]):
+            assert not torch.isnan(got.float()).any(), "elements left unwritten"
+            assert torch.equal(got, want)
 
 
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----

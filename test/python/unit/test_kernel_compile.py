@@ -361,22 +361,25 @@ def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, knob, 
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (33, 2, 130)])
-def test_stream_forward_requests_its_guessed_first_row_before_the_lookup(ratio, coff, head_dim, monkeypatch,
-                                                                        tmp_path):
-    """``STREAM_FWD_GUESS`` (default on): the stream forward's first copies go out ahead of its
-    row lookup's ballot (the one-round lookup, ``LOOKUP_ONE_ROUND``); without the guess every copy
-    waits for the lookup."""
-    from csa_frontend.compressor.kernels import stream_fwd
+def test_stream_kernels_request_a_guessed_first_row_before_the_lookup(direction, ratio, coff, head_dim, monkeypatch,
+                                                                      tmp_path):
+    """``STREAM_FWD_GUESS`` (default on) and ``STREAM_BWD_GUESS`` (default off): the stream
+    kernel's first copies go out ahead of its row lookup's ballot (the one-round lookup,
+    ``LOOKUP_ONE_ROUND``); without the guess every copy waits for the lookup."""
+    from csa_frontend.compressor.kernels import schedule, stream_bwd, stream_fwd
+    module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
 
     def copies_before_the_lookup(guess):
-        monkeypatch.setattr(stream_fwd, "STREAM_FWD_GUESS", guess)
-        ptx = planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch, tmp_path)
+        monkeypatch.setattr(module, knob, guess)
+        ptx = planned_kernel_ptx(ratio, coff, head_dim, direction, monkeypatch, tmp_path)
         return ptx.index("cp.async.") < ptx.index("vote.sync.ballot")
 
-    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+    assert choose_schedule(ratio, coff, head_dim, direction).family == "stream"
     assert copies_before_the_lookup(True)
     assert not copies_before_the_lookup(False)
+    assert copies_before_the_lookup(getattr(schedule, knob)) is (direction == "fwd")  # the defaults
 
 
 @pytest.mark.L1

@@ -768,6 +768,10 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: and the register-window forward guessing every thread's row was slower (64x1000 r4 c2 d128
 #: 19.7 -> 22.9-25.1 us: 48 -> 56 registers). Tuning knob (A/B), CSA_FRONTEND_STREAM_FWD_GUESS=0.
 STREAM_FWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_FWD_GUESS", "1") == "1"
+#: Stream backward: the same guess for each CTA's first row (``STREAM_FWD_GUESS``; its grad_out
+#: slice needs no lookup either way). Prepared for an A/B, not yet measured (NOTES row 135), so
+#: off. Tuning knob, CSA_FRONTEND_STREAM_BWD_GUESS=1.
+STREAM_BWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_BWD_GUESS", "0") == "1"
 #: Row lookups (``common.row_start``, ``row_span``): the segment search starts without waiting
 #: for ``cu_seqlens_comp[n_seg]`` (the padding test), which is loaded alongside the first probe
 #: and applied afterwards. Every kernel's first row of a launch is a chain of dependent loads
