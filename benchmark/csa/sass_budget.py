@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--config", default="128x2x128", help="RATIOxCOFFxHEAD_DIM")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the compiling process")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="path of nvdisasm")
+    ap.add_argument("--sass", help="also write the disassembly to this file")
     args = ap.parse_args()
     if not args.nvdisasm:
         ap.error("--nvdisasm: not on PATH; see the module docstring for where to get it")
@@ -78,6 +79,8 @@ def main() -> None:
         verbose = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
                                  capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([args.nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    if args.sass:
+        Path(args.sass).write_text(sass)
     ops, regions = sass_regions(sass)
     res = parse_ptxas(verbose)
     print(f"{args.kernel} r{ratio} c{coff} d{head_dim} {' '.join(args.env)}: {sched}")
