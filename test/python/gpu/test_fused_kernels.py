@@ -701,10 +701,11 @@ def test_stream_forward_bits_do_not_depend_on_its_grid(monkeypatch, ratio, coff,
 
 
 def guess_packs(ratio):
-    """(segment lengths, tokens in kv, output rows) of packs that make the stream kernels' first-row
-    guess (``STREAM_FWD_GUESS``, ``STREAM_BWD_GUESS``) right, wrong, or not taken: whole blocks (one segment or several,
-    empty ones too); a launch of ``T / ratio`` rows whose segments have tails, so later segments'
-    rows and the padding rows guess wrong; tokens past the pack; ragged rows, where no guess runs."""
+    """(segment lengths, tokens in kv, output rows) of packs that make the stream kernels'
+    first-row guess (``STREAM_FWD_GUESS``, ``STREAM_BWD_GUESS``) right, wrong, or not taken:
+    whole blocks (one segment or several, empty ones too); a launch of ``T / ratio`` rows whose
+    segments have tails, so later segments' rows and the padding rows guess wrong; tokens past
+    the pack; ragged rows, where no guess runs."""
     return {
         "whole": ([40 * ratio, 0, 25 * ratio, 70 * ratio], None, None),
         "one_segment": ([150 * ratio], None, None),

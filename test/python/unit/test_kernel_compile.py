@@ -300,8 +300,10 @@ def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, d
     before requesting the row again."""
     from csa_frontend.compressor.kernels import stream_bwd, stream_fwd, window_bwd
 
-    assert choose_schedule(ratio, coff, head_dim, direction).family == ("window" if ratio <= 4 else "stream")
-    guessed = (stream_fwd.STREAM_FWD_GUESS if direction == "fwd" else stream_bwd.STREAM_BWD_GUESS) and ratio > 4
+    family = choose_schedule(ratio, coff, head_dim, direction).family
+    assert family == ("window" if ratio <= 4 else "stream")
+    guesses = stream_fwd.STREAM_FWD_GUESS if direction == "fwd" else stream_bwd.STREAM_BWD_GUESS
+    guessed = family == "stream" and guesses
     wrong_guess = ["0"] if guessed else []
 
     def waits():

@@ -25,8 +25,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
-                     div_exact, enter_grid, rcp_of_den, row_span, safe_max, stage_buffers, stage_slots,
-                     store_partial_vector, zero_fill_cta, zero_tokens)
+                     div_exact, enter_grid, guessed_block_start, rcp_of_den, row_span, safe_max, stage_buffers,
+                     stage_slots, store_partial_vector, zero_fill_cta, zero_tokens)
 from .schedule import (FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, STREAM_BWD_GUESS, chunks_per_warp, combines_once_per_cta,
                        warp_groups)
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
@@ -134,24 +134,20 @@ class StreamBackward(BackwardKernel):
             if cutlass.const_expr(guess):
                 # the first row requested before its lookup answers, as the stream forward's
                 # (STREAM_FWD_GUESS): right for every real row of a launch of T / ratio rows
-                whole = mGO.shape[0] * ratio == mKV.shape[0]
-                g_own0, g_has_prev = block_start(Int32(0), row, ratio, mKV.shape[0])
+                whole, g_own0, g_has_prev = guessed_block_start(row, mGO.shape[0], ratio, mKV.shape[0])
                 if whole and col_ok:
                     self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, g_own0, g_has_prev, cv, k0)
                 cute.arch.cp_async_commit_group()
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("bwd"))
             own0, has_prev = block_start(t0, row - lo, ratio, mKV.shape[0])
-            if cutlass.const_expr(guess):
+            if cutlass.const_expr(staged):
                 if row < n_real and col_ok:
-                    if not whole or own0 != g_own0 or has_prev != g_has_prev:
-                        cute.arch.cp_async_wait_group(0)  # a wrong guess's copies land before the slots are reused
+                    if cutlass.const_expr(guess):
+                        if not whole or own0 != g_own0 or has_prev != g_has_prev:
+                            cute.arch.cp_async_wait_group(0)  # a wrong guess's copies land before the slots are reused
+                            self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
+                    else:
                         self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
-                cute.arch.cp_async_commit_group()
-                if cutlass.const_expr(FIRST_ROW_ALONE):
-                    cute.arch.cp_async_wait_group(0)
-            elif cutlass.const_expr(staged):
-                if row < n_real and col_ok:
-                    self.stage_row(mKV, mS, gGO, stage_slots(sBuf, 0, tidx), row, own0, has_prev, cv, k0)
                 cute.arch.cp_async_commit_group()
                 if cutlass.const_expr(FIRST_ROW_ALONE):
                     cute.arch.cp_async_wait_group(0)

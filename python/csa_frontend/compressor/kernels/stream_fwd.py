@@ -25,7 +25,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_stage, enter_grid,
-                     exp2_half_squared, fma_rn, row_span, safe_max, stage_buffers, stage_slots)
+                     exp2_half_squared, fma_rn, guessed_block_start, row_span, safe_max, stage_buffers,
+                     stage_slots)
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
 from .schedule import (FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED, chunks_per_warp,
@@ -140,25 +141,23 @@ class StreamForward(PoolingKernel):
         if cutlass.const_expr(guess):
             # the first row requested before its lookup answers, where a launch of T / ratio
             # rows makes row * ratio its first token (STREAM_FWD_GUESS); checked below
-            whole = n_rows * self.ratio == mKV.shape[0]
-            g_own0, g_has_prev = block_start(Int32(0), row, self.ratio, mKV.shape[0])
+            whole, g_own0, g_has_prev = guessed_block_start(row, n_rows, self.ratio, mKV.shape[0])
             if whole:
                 request_row(mKV, mS, stage_slots(sBuf, 0, tidx), g_own0, g_has_prev, active, cv, k0, chunk,
                             self.ratio, self.coff, n_vec, vec)
         t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("fwd"))
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
-        if cutlass.const_expr(guess):
-            if not whole or own0 != g_own0 or has_prev != g_has_prev:
-                cute.arch.cp_async_wait_group(0)  # a wrong guess's copies land before the slots are reused
-                request_row(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, active, cv, k0, chunk, self.ratio,
-                            self.coff, n_vec, vec)
-            if cutlass.const_expr(FIRST_ROW_ALONE):
-                cute.arch.cp_async_wait_group(0)
-        elif cutlass.const_expr(staged):
-            if row < n_rows and active:
-                stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
-                                self.coff, n_vec, vec)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(staged):
+            if cutlass.const_expr(guess):
+                if not whole or own0 != g_own0 or has_prev != g_has_prev:
+                    cute.arch.cp_async_wait_group(0)  # a wrong guess's copies land before the slots are reused
+                    request_row(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, active, cv, k0, chunk,
+                                self.ratio, self.coff, n_vec, vec)
+            else:
+                if row < n_rows and active:
+                    stage_any_chunk(mKV, mS, stage_slots(sBuf, 0, tidx), own0, has_prev, cv, k0, chunk, self.ratio,
+                                    self.coff, n_vec, vec)
+                cute.arch.cp_async_commit_group()
             if cutlass.const_expr(FIRST_ROW_ALONE):
                 cute.arch.cp_async_wait_group(0)
         for it in cutlass.range(rows_per_cta, unroll=1):
