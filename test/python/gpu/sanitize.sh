@@ -3,8 +3,8 @@
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
 # forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
 # the stream family, their backwards under both row-count schedules; every forward of these small
-# packs both as the serial forward and as its family's own (the stream forward also on launches of
-# rows * ratio == tokens, where it guesses its first rows); r4 c2 d512 through the bulk-copy
+# packs both as the serial forward and as its family's own (the stream kernels also on launches of
+# rows * ratio == tokens, where they guess their first rows, the backward under both schedules); r4 c2 d512 through the bulk-copy
 # forward and the interleaved backward row walk; the atomic grad_ape path of five of them; a side-stream call;
 # a pack without rows) under
 # compute-sanitizer's memcheck, racecheck and initcheck, one after another, and prints one summary
@@ -15,7 +15,8 @@
 #
 # Environment: COMPUTE_SANITIZER (the binary; default: PATH, $CUDA_HOME/bin, /usr/local/cuda/bin,
 # then the nvidia-cuda-sanitizer-api wheel), SANITIZE_TIMEOUT (seconds per tool, default 300),
-# SANITIZE_LOG_DIR (full logs; default $OUT/sanitize or /tmp/csa_sanitize), PYTHON (default python3).
+# SANITIZE_LOG_DIR (full logs; default $OUT/sanitize or /tmp/csa_sanitize), PYTHON (default python3),
+# SANITIZE_TOOLS (default "memcheck racecheck initcheck": one tool alone fits a longer limit).
 #
 # Scope, and why:
 # - PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is its own cudaMalloc. With torch's caching
@@ -70,7 +71,7 @@ declare -A options=([memcheck]="--report-api-errors no" [racecheck]="--report-ap
 # The target architecture is named, so the DSL does not probe the driver for it.
 export CUTE_DSL_ARCH="${CUTE_DSL_ARCH:-sm_90a}"
 status=0
-for tool in memcheck racecheck initcheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
   log="$logs/$tool.log"
   start=$(date +%s)
   # shellcheck disable=SC2086 # options[] holds separate words on purpose

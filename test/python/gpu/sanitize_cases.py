@@ -31,8 +31,8 @@ SPARE_TOKENS, PADDING_ROWS = 3, 2
 
 def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, whole_launch=False):
     """``whole_launch``: kv and the output rows sized so that rows * ratio == tokens, where the
-    stream forward requests its first rows before their lookups (``STREAM_FWD_GUESS``); the
-    pack's tails and padding rows make some of those guesses wrong."""
+    stream kernels request their first rows before their lookups (``STREAM_FWD_GUESS``,
+    ``STREAM_BWD_GUESS``); the pack's tails and padding rows make some of those guesses wrong."""
     gen = torch.Generator(device="cuda").manual_seed(ratio + coff)
     cu, comp = offsets(edge_lengths(ratio) * repeat, ratio)
     total = int(comp[-1]) + PADDING_ROWS
@@ -90,7 +90,7 @@ def main():
         for case in CASES:
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (the family's forward): ok", flush=True)
-        # the stream forward's first-row guesses, right ones and wrong ones (tails, padding rows)
+        # the stream kernels' first-row guesses, right ones and wrong ones (tails, padding rows)
         for case in [(64, 2, 128), (128, 2, 64), (32, 1, 64)]:
             run_case(*case, repeat=3, whole_launch=True)
         print("stream forwards of rows * ratio == tokens launches: ok", flush=True)
@@ -100,6 +100,9 @@ def main():
         for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
+        for case in [(64, 2, 128), (128, 2, 64), (32, 1, 64)]:
+            run_case(*case, repeat=3, whole_launch=True)
+        print("default stream backwards of rows * ratio == tokens launches: ok", flush=True)
     # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
     if schedule.bulk_forward_schedule(2, 2, 512, "sm_90a") is not None and torch.cuda.get_device_capability() >= (9, 0):
         with knobs(WINDOW_FWD_BULK_MIN_STAGES=1, WINDOW_FWD_BULK_CTAS=3):

@@ -194,9 +194,10 @@ def block_start(t0: Int32, blk: Int32, ratio: cutlass.Constexpr, n_tok: Int32):
 @cute.jit
 def guessed_block_start(row: Int32, n_rows: Int32, ratio: cutlass.Constexpr, n_tok: Int32):
     """(whether to guess, ``block_start`` of ``row`` guessed as ``row * ratio``) for a kernel
-    that requests its first row before the lookup answers (``STREAM_FWD_GUESS``). Guessed only
-    in launches of ``n_tok / ratio`` rows: ``sum_s floor(L_s / ratio) = T / ratio`` holds only
-    if no segment has a tail, so every real row's guess is right there."""
+    that requests its first row before the lookup answers (``STREAM_FWD_GUESS``,
+    ``STREAM_BWD_GUESS``). Guessed only in launches of ``n_tok / ratio`` rows: ``sum_s
+    floor(L_s / ratio) = T / ratio`` holds only if no segment has a tail, so every real row's
+    guess is right there."""
     whole = n_rows * ratio == n_tok
     own0, has_prev = block_start(Int32(0), row, ratio, n_tok)
     return whole, own0, has_prev

@@ -769,9 +769,13 @@ FIRST_ROW_ALONE = os.environ.get("CSA_FRONTEND_FIRST_ROW_ALONE", "1") == "1"
 #: 19.7 -> 22.9-25.1 us: 48 -> 56 registers). Tuning knob (A/B), CSA_FRONTEND_STREAM_FWD_GUESS=0.
 STREAM_FWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_FWD_GUESS", "1") == "1"
 #: Stream backward: the same guess for each CTA's first row (``STREAM_FWD_GUESS``; its grad_out
-#: slice needs no lookup either way). Prepared for an A/B, not yet measured (NOTES row 135), so
-#: off. Tuning knob, CSA_FRONTEND_STREAM_BWD_GUESS=1.
-STREAM_BWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_BWD_GUESS", "0") == "1"
+#: slice needs no lookup either way). Same bits. Measured on the H200 (NOTES row 135, two
+#: alternating rounds in one call, bwd us off -> on): 4x8192 r16 c2 d256 41.54, 41.53 -> 41.35,
+#: 41.29; 1x8192 r128 c2 d128 10.75, 10.72 -> 10.61, 10.62; 1x65536 r128 c2 d512 159.37, 159.97
+#: -> 158.93, 158.75; 1x131072 r128 c1 d128 45.63, 45.68 -> 45.60, 45.43; 1x65536 r64 c1 d512
+#: 77.08, 77.00 -> 77.21, 76.66; the ragged 100x1311 r128 c1 d128 (no guess) 45.93, 46.16 ->
+#: 46.30, 46.09. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_GUESS=0.
+STREAM_BWD_GUESS = os.environ.get("CSA_FRONTEND_STREAM_BWD_GUESS", "1") == "1"
 #: Row lookups (``common.row_start``, ``row_span``): the segment search starts without waiting
 #: for ``cu_seqlens_comp[n_seg]`` (the padding test), which is loaded alongside the first probe
 #: and applied afterwards. Every kernel's first row of a launch is a chain of dependent loads
