@@ -715,20 +715,34 @@ def guess_packs(ratio):
     }
 
 
-def guessed_and_unguessed(monkeypatch, direction, run):
-    """``run(walk)`` with the stream kernel of ``direction`` guessing its CTAs' first rows
-    (``STREAM_FWD_GUESS``/``STREAM_BWD_GUESS``) and without, for grids of one wave and of CTAs
-    that walk many rows (``walk``, which sets the grid knobs)."""
-    from csa_frontend.compressor.kernels import dispatch, stream_bwd, stream_fwd
-    module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
+def pack_inputs(ratio, pack):
+    """(cu_seqlens, cu_seqlens_comp, tokens in kv, output rows) of ``guess_packs(ratio)[pack]``."""
+    lengths, n_tok, rows = guess_packs(ratio)[pack]
+    cu, comp = offsets(lengths, ratio)
+    return cu, comp, n_tok or int(cu[-1]), rows or int(comp[-1])
+
+
+def with_and_without(monkeypatch, module, knob, run):
+    """``run(walk)`` with ``module.knob`` off and on (each compiled afresh), for grids of one wave
+    and of CTAs that walk many rows (``walk``, which ``run`` turns into the grid knobs)."""
+    from csa_frontend.compressor.kernels import dispatch
     results = {}
-    for guess in (False, True):
-        monkeypatch.setattr(module, knob, guess)
+    for on in (False, True):
+        monkeypatch.setattr(module, knob, on)
         dispatch.clear_cache()
         for walk in (False, True):
-            results[guess, walk] = run(walk)
+            results[on, walk] = run(walk)
     dispatch.clear_cache()
     return results
+
+
+def assert_same_bits(results):
+    """Every tensor ``with_and_without`` returned with the knob on: fully written (no NaN left of
+    the poison) and bit-identical to the one with it off, for both grids."""
+    for walk in (False, True):
+        for got, want in zip(results[True, walk], results[False, walk]):
+            assert not torch.isnan(got.float()).any(), "elements left unwritten"
+            assert torch.equal(got, want)
 
 
 @pytest.mark.L1
@@ -740,11 +754,9 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
     """The stream kernels may request each CTA's first row at ``row * ratio`` before its lookup
     answers and again where the lookup disagrees; every output (padding rows included) and every
     gradient gets the same bits as without the guess, with CTAs that walk one row or many."""
+    from csa_frontend.compressor.kernels import stream_bwd, stream_fwd
     assert choose_schedule(ratio, coff, head_dim, direction).family == "stream"
-    lengths, n_tok, rows = guess_packs(ratio)[pack]
-    cu, comp = offsets(lengths, ratio)
-    n_tok = n_tok or int(cu[-1])
-    rows = rows or int(comp[-1])
+    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
     assert (rows * ratio == n_tok) is (pack != "ragged")
     assert rows * head_dim > schedule.serial_forward_outputs("stream")  # not the serial forward
     kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
@@ -759,11 +771,8 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
             return (run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows),)
         return run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
 
-    results = guessed_and_unguessed(monkeypatch, direction, run)
-    for walk in (False, True):
-        for got, want in zip(results[True, walk], results[False, walk]):
-            assert not torch.isnan(got.float()).any(), "elements left unwritten"
-            assert torch.equal(got, want)
+    module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
+    assert_same_bits(with_and_without(monkeypatch, module, knob, run))
 
 
 @pytest.mark.L1
@@ -779,11 +788,7 @@ def test_bulk_gradient_stores_give_the_vector_stores_bits(monkeypatch, few_rows_
     empty and short segments, tokens past the pack and padding rows. Without ``few_rows_bucket``
     every launch runs the default schedule; with it, launches whose CTAs walk at most a few rows
     run the few-rows one (the planner's choice)."""
-    from csa_frontend.compressor.kernels import dispatch
-    lengths, n_tok, rows = guess_packs(ratio)[pack]
-    cu, comp = offsets(lengths, ratio)
-    n_tok = n_tok or int(cu[-1])
-    rows = rows or int(comp[-1])
+    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
     monkeypatch.setattr(schedule, "STREAM_BWD_BULK_STORES", True)
     for sched in (choose_schedule(ratio, coff, head_dim, "bwd"), schedule.few_rows_schedule(ratio, coff, head_dim)):
         assert sched.family == "stream" and schedule.takes_bulk_stores(sched, ratio, coff, head_dim, True), sched
@@ -792,18 +797,12 @@ def test_bulk_gradient_stores_give_the_vector_stores_bits(monkeypatch, few_rows_
     grid = schedule.STREAM_GRID_SMS
     if not few_rows_bucket:
         monkeypatch.setattr(schedule, "STREAM_BWD_FEW_ROWS", 0)
-    results = {}
-    for bulk in (False, True):
-        monkeypatch.setattr(schedule, "STREAM_BWD_BULK_STORES", bulk)
-        dispatch.clear_cache()
-        for walk in (False, True):
-            monkeypatch.setattr(schedule, "STREAM_GRID_SMS", 5 if walk else grid)
-            results[bulk, walk] = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
-    dispatch.clear_cache()
-    for walk in (False, True):
-        for got, want in zip(results[True, walk], results[False, walk]):
-            assert not torch.isnan(got.float()).any(), "elements left unwritten"
-            assert torch.equal(got, want)
+
+    def run(walk):
+        monkeypatch.setattr(schedule, "STREAM_GRID_SMS", 5 if walk else grid)
+        return run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+
+    assert_same_bits(with_and_without(monkeypatch, schedule, "STREAM_BWD_BULK_STORES", run))
 
 
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----

@@ -222,7 +222,7 @@ class StreamBackward(BackwardKernel):
                                         cv, k0, c, sGrad, tidx)
                 row, own0, has_prev = nrow, nown0, nhas_prev
             if cutlass.const_expr(self.bulk_stores):
-                if tidx % bulk_store_segment(self.sched) == 0:
+                if self.bulk_lead(tidx):
                     cute.arch.cp_async_bulk_wait_group(0)  # the last row's copies written before the CTA ends
             if col_ok:
                 for i in cutlass.range_constexpr(chunk):
@@ -363,6 +363,11 @@ class StreamBackward(BackwardKernel):
                     gGKV[(0, None), (tok, colt)].store(rGKV[i, None].load())
                     gGS[(0, None), (tok, colt)].store(rGS[i, None].load())
 
+    def bulk_lead(self, tidx):
+        """Whether this thread issues (and so waits for) the bulk copies of its warp segment of
+        column threads (``bulk_store_segment``): bulk-copy groups belong to the issuing thread."""
+        return tidx % bulk_store_segment(self.sched) == 0
+
     @cute.jit
     def store_gradients_bulk(self, mGKV, mGS, sGrad, rGKV, rGS, own0, has_prev, own_ok, cv, k0, tidx):
         """``store_gradients`` through shared memory (``STREAM_BWD_BULK_STORES``): every thread
@@ -372,7 +377,7 @@ class StreamBackward(BackwardKernel):
         have read ``sGrad`` before anyone overwrites it (issued a row ago: normally done)."""
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         seg = bulk_store_segment(self.sched)
-        lead = tidx % seg == 0
+        lead = self.bulk_lead(tidx)
         tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
         if lead:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
