@@ -775,36 +775,6 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
     assert_same_bits(with_and_without(monkeypatch, module, knob, run))
 
 
-@pytest.mark.L1
-@pytest.mark.parametrize("few_rows_bucket", [True, False])
-@pytest.mark.parametrize("pack", ["whole", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (64, 2, 64), (128, 2, 512),
-                                               (200, 2, 192), (256, 2, 64)])
-def test_bulk_gradient_stores_give_the_vector_stores_bits(monkeypatch, few_rows_bucket, pack, ratio, coff, head_dim):
-    """``STREAM_BWD_BULK_STORES``: the stream backward's gradients written through shared memory
-    by bulk copies get the bits of the per-thread vector stores (every gradient, grad_ape too, no
-    element left unwritten), in both row-count schedules, with CTAs that walk one row or many
-    (the copies of one row in flight while the next row's are staged), on packs with tails,
-    empty and short segments, tokens past the pack and padding rows. Without ``few_rows_bucket``
-    every launch runs the default schedule; with it, launches whose CTAs walk at most a few rows
-    run the few-rows one (the planner's choice)."""
-    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
-    monkeypatch.setattr(schedule, "STREAM_BWD_BULK_STORES", True)
-    for sched in (choose_schedule(ratio, coff, head_dim, "bwd"), schedule.few_rows_schedule(ratio, coff, head_dim)):
-        assert sched.family == "stream" and schedule.takes_bulk_stores(sched, ratio, coff, head_dim, True), sched
-    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
-    grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
-    grid = schedule.STREAM_GRID_SMS
-    if not few_rows_bucket:
-        monkeypatch.setattr(schedule, "STREAM_BWD_FEW_ROWS", 0)
-
-    def run(walk):
-        monkeypatch.setattr(schedule, "STREAM_GRID_SMS", 5 if walk else grid)
-        return run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
-
-    assert_same_bits(with_and_without(monkeypatch, schedule, "STREAM_BWD_BULK_STORES", run))
-
-
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----
 
 @pytest.fixture

@@ -454,30 +454,3 @@ def test_stream_backward_adds_atomic_ape_partials_as_vectors_from_sm90(ratio, co
         assert len(vector) == sched.chunk and not scalar, (vector, scalar)
     else:
         assert not vector and len(scalar) == sched.chunk * sched.vec, (vector, scalar)
-
-
-@pytest.mark.L1
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 2, 512), (200, 2, 192)])
-def test_stream_backward_bulk_stores_compile(arch, ratio, coff, head_dim, monkeypatch, tmp_path):
-    """``STREAM_BWD_BULK_STORES`` (off by default): both row-count schedules of the stream
-    backward compile with their gradients stored by bulk copies from shared memory, the shared
-    writes fenced for the copy engine first and every copy waited for before the CTA ends; the
-    default has none of it."""
-    from csa_frontend.compressor.kernels import schedule
-
-    def ptx(sched):
-        texts = kernel_ptx(lambda: dispatch._build_backward(ratio, coff, head_dim, sched, arch)[:1], monkeypatch,
-                           tmp_path)
-        assert len(texts) == 1
-        return texts[0]
-
-    scheds = [choose_schedule(ratio, coff, head_dim, "bwd"), few_rows_schedule(ratio, coff, head_dim)]
-    assert not schedule.STREAM_BWD_BULK_STORES and "cp.async.bulk.global" not in ptx(scheds[0])
-    monkeypatch.setattr(schedule, "STREAM_BWD_BULK_STORES", True)
-    for sched in scheds:
-        text = ptx(sched)
-        assert "cp.async.bulk.global.shared::cta.bulk_group" in text
-        assert "fence.proxy.async.shared::cta" in text
-        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", text)  # the last row's copies, whole
-        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)  # the buffer free again

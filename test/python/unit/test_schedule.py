@@ -1,6 +1,5 @@
 """The launch planner (pure Python): families, vector widths, CTA shapes and per-call choices
 at every bucket boundary. None of it may depend on the GPU's SM count."""
-import dataclasses
 import inspect
 
 import pytest
@@ -748,25 +747,3 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
             assert (fn, args) == ("serial", inputs + (out,))
         else:
             assert fn != "serial" and (fn, args) == with_serial_off
-
-
-@pytest.mark.L0
-def test_bulk_stores_only_where_every_copy_is_aligned(monkeypatch):
-    """``STREAM_BWD_BULK_STORES`` (off by default) applies only to sm_90+ stream backwards whose
-    chunks sit inside a window half, with whole column tiles and 16-byte copies: a token row's
-    slice, the window half's column offset and each warp segment of column threads."""
-    cfg = (128, 2, 512)
-    sched = sch.choose_schedule(*cfg, "bwd")
-    assert not sch.STREAM_BWD_BULK_STORES and not sch.takes_bulk_stores(sched, *cfg, True)
-    monkeypatch.setattr(sch, "STREAM_BWD_BULK_STORES", True)
-    assert sch.takes_bulk_stores(sched, *cfg, True)
-    assert not sch.takes_bulk_stores(sched, *cfg, False)  # sm_80: no bulk copies
-    assert sch.bulk_store_segment(sched) == min(sched.col_threads, 32)
-    ragged_chunks = dataclasses.replace(sched, chunk=3)  # 128 % 3: chunks cross the window halves
-    assert not sch.takes_bulk_stores(ragged_chunks, *cfg, True)
-    partial_tile = sch.choose_schedule(20, 1, 96, "bwd")  # 24 column slices, 32 column threads
-    assert (96 // partial_tile.vec) % partial_tile.col_threads and not sch.takes_bulk_stores(partial_tile, 20, 1, 96, True)
-    short = dataclasses.replace(sched, vec=2, col_threads=2)  # a 8-byte segment
-    assert not sch.takes_bulk_stores(short, *cfg, True)
-    window = sch.choose_schedule(4, 2, 512, "bwd")
-    assert window.family == "window" and not sch.takes_bulk_stores(window, 4, 2, 512, True)

@@ -257,7 +257,7 @@ class PoolingKernel:
     family = ""
 
     def __init__(self, ratio: int, coff: int, head_dim: int, sched, atomic: bool = False, pdl: bool = False,
-                 lookup_loads: Optional[int] = None, vector_atomics: bool = False, bulk_stores: bool = False):
+                 lookup_loads: Optional[int] = None, vector_atomics: bool = False):
         assert sched.family == self.family, (sched.family, self.family)
         self.lookup_loads = lookup_loads  # overrides ``one_round_loads`` (a variant for some packs)
         self.ratio, self.coff, self.head_dim, self.sched = ratio, coff, head_dim, sched
@@ -267,7 +267,6 @@ class PoolingKernel:
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
         self.vector_atomics = vector_atomics  # ``red.global.add.v{2,4}.f32`` allowed (sm_90+)
         self.pdl = pdl  # programmatic dependent launch (``uses_pdl``, ``enter_grid``)
-        self.bulk_stores = bulk_stores  # stream backward: gradients by bulk copies (``takes_bulk_stores``)
         # window family: when whole warps fit across the columns, every warp works on one row at
         # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
         # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per

@@ -42,7 +42,6 @@ from .schedule import (
     serial_forward_schedule,
     slab_bytes,
     stream_row_ctas,
-    takes_bulk_stores,
     takes_serial_forward,
     zero_fill_ctas,
 )
@@ -215,9 +214,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     family = WindowBackward if sched.family == "window" else StreamBackward
-    sm90 = arch_number(arch) >= 90
-    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=sm90,
-                bulk_stores=takes_bulk_stores(sched, ratio, coff, head_dim, sm90))
+    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=arch_number(arch) >= 90)
     one = cutlass.Int32(1)
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], one, one, one, one,
             stream)

@@ -383,37 +383,6 @@ STREAM_BWD_FAST_MATH = os.environ.get("CSA_FRONTEND_STREAM_BWD_FAST_MATH", "1") 
 STREAM_BWD_COMBINE_GROUPS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_COMBINE_GROUPS", "16"))
 
 
-#: Stream backward: a row's gradients written through shared memory by bulk copies
-#: (``cp.async.bulk.global.shared::cta``, one per token, chunk lane and warp: the warp's column
-#: threads' slice of that token, 16-byte aligned) instead of one vector store per thread, position
-#: and tensor. NOTES row 70 found the stores backing up the LSU at each row's end (the first
-#: register reuse after a row's 8 stores 6% of stall samples, ``lg`` queue stalls 9%); the bulk
-#: copies leave the global writes to the copy engine. Same bits. Prepared for an A/B (NOTES row
-#: 137), not yet measured, so off. Tuning knob, CSA_FRONTEND_STREAM_BWD_BULK_STORES=1.
-STREAM_BWD_BULK_STORES = os.environ.get("CSA_FRONTEND_STREAM_BWD_BULK_STORES", "0") == "1"
-BULK_ALIGN = 16  # bytes: a bulk copy's address and size
-
-
-def bulk_store_segment(sched: "Schedule") -> int:
-    """Stream backward: column threads whose gradient slices of one token one bulk copy moves
-    (those of the chunk lane inside one warp)."""
-    return min(sched.col_threads, 32)
-
-
-def takes_bulk_stores(sched: "Schedule", ratio: int, coff: int, head_dim: int, sm90: bool) -> bool:
-    """Whether the stream backward of ``sched`` stores its gradients by bulk copies
-    (``STREAM_BWD_BULK_STORES``): sm_90+, staged (vector) rows whose chunks sit inside one window
-    half (consecutive tokens, one column slice), no partial column tile, and every copy 16-byte
-    aligned: the segment's bytes, a token row's (``coff * head_dim``) and a window half's column
-    offset (``head_dim``)."""
-    if not (STREAM_BWD_BULK_STORES and sm90 and sched.family == "stream" and sched.vec >= 2):
-        return False
-    n_vec = head_dim // sched.vec
-    seg_bytes = bulk_store_segment(sched) * sched.vec * 2
-    return (ratio % sched.chunk == 0 and n_vec % sched.col_threads == 0 and seg_bytes % BULK_ALIGN == 0
-            and (head_dim * 2) % BULK_ALIGN == 0)
-
-
 def chunks_per_warp(col_threads: int) -> int:
     """Stream family: window chunks one warp holds (``32 // col_threads`` chunk lanes, reduced by
     shuffles before anything goes through shared memory)."""

@@ -22,24 +22,15 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_global_shared_cta
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk_position, copy_async,
                      div_exact, enter_grid, guessed_block_start, rcp_of_den, row_span, safe_max, stage_buffers,
                      stage_slots, store_partial_vector, zero_fill_cta, zero_tokens)
-from .schedule import (FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, STREAM_BWD_GUESS, bulk_store_segment, chunks_per_warp,
-                       combines_once_per_cta, warp_groups)
+from .schedule import (FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, STREAM_BWD_GUESS, chunks_per_warp, combines_once_per_cta,
+                       warp_groups)
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
-
-
-def gradient_buffers(chunk: int, threads: int, vec: int):
-    """Shared bf16 (grad_kv, grad_score) of one row for the bulk stores: ``[tensor, position,
-    thread, vec]``, thread-major, so the column threads of one chunk lane hold one token's
-    consecutive columns (one bulk copy's source)."""
-    return SmemAllocator().allocate_tensor(
-        BFloat16, cute.make_layout((2, chunk, threads, vec), stride=(chunk * threads * vec, threads * vec, vec, 1)), 16)
 
 
 def warp_group_buffers(groups: int, col_threads: int, vec: int):
@@ -138,7 +129,6 @@ class StreamBackward(BackwardKernel):
             # rows are looked up incrementally (``row_span``).
             staged = can_stage(vec)
             sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
-            sGrad = gradient_buffers(chunk, threads, vec) if cutlass.const_expr(self.bulk_stores) else None
             row = bx * rows_per_cta
             guess = staged and STREAM_BWD_GUESS
             if cutlass.const_expr(guess):
@@ -219,11 +209,8 @@ class StreamBackward(BackwardKernel):
                     rGKV, rGS = self.row_gradients(rS, rX, rG, rD, rT, rPart, k0, has_prev)
                     if col_ok:
                         self.finish_row(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk, n_blk, seg_end,
-                                        cv, k0, c, sGrad, tidx)
+                                        cv, k0, c)
                 row, own0, has_prev = nrow, nown0, nhas_prev
-            if cutlass.const_expr(self.bulk_stores):
-                if self.bulk_lead(tidx):
-                    cute.arch.cp_async_bulk_wait_group(0)  # the last row's copies written before the CTA ends
             if col_ok:
                 for i in cutlass.range_constexpr(chunk):
                     k = k0 + i
@@ -325,17 +312,13 @@ class StreamBackward(BackwardKernel):
         return rGKV, rGS
 
     @cute.jit
-    def finish_row(self, mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk, n_blk, seg_end, cv, k0, c, sGrad,
-                   tidx):
+    def finish_row(self, mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk, n_blk, seg_end, cv, k0, c):
         """Store the row's gradients (block ``blk`` of its segment's ``n_blk``); after a
         segment's last block, zero its never-consumed token slots (this thread's chunk lane of
         them)."""
         ratio, coff, vec, n_vec = self.ratio, self.coff, self.vec, self.n_vec
         n_chunks = self.sched.row_lanes
-        if cutlass.const_expr(self.bulk_stores):
-            self.store_gradients_bulk(mGKV, mGS, sGrad, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0, tidx)
-        else:
-            self.store_gradients(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0)
+        self.store_gradients(mGKV, mGS, gGKV, gGS, rGKV, rGS, own0, has_prev, blk >= 0, cv, k0)
         if blk == n_blk - 1:
             if cutlass.const_expr(coff == 2):
                 # first-half columns of the last block's own tokens (coff=1: one half)
@@ -362,41 +345,6 @@ class StreamBackward(BackwardKernel):
                 if ok and own_ok:
                     gGKV[(0, None), (tok, colt)].store(rGKV[i, None].load())
                     gGS[(0, None), (tok, colt)].store(rGS[i, None].load())
-
-    def bulk_lead(self, tidx):
-        """Whether this thread issues (and so waits for) the bulk copies of its warp segment of
-        column threads (``bulk_store_segment``): bulk-copy groups belong to the issuing thread."""
-        return tidx % bulk_store_segment(self.sched) == 0
-
-    @cute.jit
-    def store_gradients_bulk(self, mGKV, mGS, sGrad, rGKV, rGS, own0, has_prev, own_ok, cv, k0, tidx):
-        """``store_gradients`` through shared memory (``STREAM_BWD_BULK_STORES``): every thread
-        puts its chunk in ``sGrad``, and the first thread of each warp segment of column threads
-        (``bulk_store_segment``) copies the segment's slice of each token to global memory with
-        one bulk copy per token and tensor. That thread waits for its previous row's copies to
-        have read ``sGrad`` before anyone overwrites it (issued a row ago: normally done)."""
-        ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
-        seg = bulk_store_segment(self.sched)
-        lead = self.bulk_lead(tidx)
-        tok, colt, _, ok = chunk_position(own0, has_prev, cv, k0, ratio, coff, n_vec)
-        if lead:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.sync_warp()
-        if ok and own_ok:
-            for i in cutlass.range_constexpr(chunk):
-                sGrad[0, i, tidx, None].store(rGKV[i, None].load())
-                sGrad[1, i, tidx, None].store(rGS[i, None].load())
-        cute.arch.fence_proxy("async.shared", space="cta")  # the generic writes, seen by the copy engine
-        cute.arch.sync_warp()
-        if lead and ok and own_ok:
-            wGKV = chunk_view(mGKV, tok, vec)
-            wGS = chunk_view(mGS, tok, vec)
-            for i in cutlass.range_constexpr(chunk):
-                cp_async_bulk_global_shared_cta(wGKV[(0, None), (i, colt)].iterator, sGrad[0, i, tidx, None].iterator,
-                                                seg * vec * 2)
-                cp_async_bulk_global_shared_cta(wGS[(0, None), (i, colt)].iterator, sGrad[1, i, tidx, None].iterator,
-                                                seg * vec * 2)
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def stage_row(self, mKV, mS, gGO, slots, row, own0, has_prev, cv, k0):
