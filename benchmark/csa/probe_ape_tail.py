@@ -44,10 +44,12 @@ def probe(shape):
     _, reduce, sched, rpt = dispatch.backward_for_rows(n_rows, *entries, slab_bytes(ratio, coff, d))
     groups = bwd_row_groups(n_rows, sched, rpt)
     n_ape = ratio * coff * d
-    slabs = [(torch.randn(groups, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(copies)]
+    ape_shape = (ratio, coff * d)
+    slabs = [(torch.randn(groups, *ape_shape, device="cuda"), torch.empty(ape_shape, device="cuda"))
+             for _ in range(copies)]
     split = ape_split(groups)
     alone = graph_time_us(lambda st: reduce(st[0], st[1], split), slabs)
-    one = [(torch.randn(1, n_ape, device="cuda"), torch.empty(n_ape, device="cuda")) for _ in range(8)]
+    one = [(torch.randn(1, *ape_shape, device="cuda"), torch.empty(ape_shape, device="cuda")) for _ in range(8)]
     one_slab = graph_time_us(lambda st: reduce(st[0], st[1], 1), one)
     print(f"{shape_name(shape):24s} full {full:6.1f}  main alone {main_only:6.1f}  atomic {atomic:6.1f}  "
           f"reduction alone {alone:5.2f} ({groups} slabs of {n_ape * 4 // 1024} KB, split {split}, "

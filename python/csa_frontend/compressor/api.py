@@ -268,7 +268,7 @@ class CSACompressorBackward(_CompressorOp):
                   current_stream, "grad_out.shape[0]")
 
     def _fast_backward_ok(self, kv, cu_seqlens, cu_seqlens_comp, grad_out, grad_ape) -> bool:
-        """grad_ape only reaches the kernels as a flat view, so its shape is checked here."""
+        """grad_ape reaches the atomic backward's kernel as a view, so its shape is checked here."""
         fast = self._fast
         try:
             return (grad_ape.dtype is _F32 and grad_ape.shape == fast.ape_shape and grad_ape.is_contiguous()

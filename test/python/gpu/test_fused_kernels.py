@@ -534,14 +534,14 @@ def test_slab_reduction_order(n_slab):
                                           coff, head_dim)
     n = ratio * coff * head_dim
     g = torch.Generator(device="cuda").manual_seed(n_slab)
-    slab = 10 * torch.randn(n_slab, n, device="cuda", generator=g)
-    got = torch.full((n,), float("nan"), device="cuda")
+    slab = 10 * torch.randn(n_slab, ratio, coff * head_dim, device="cuda", generator=g)
+    got = torch.full((ratio, coff * head_dim), float("nan"), device="cuda")
     split = ape_split(n_slab)
     reduce(slab, got, split)
     chunk = -(-n_slab // split)
     parts = []
     for j in range(split):
-        acc = torch.zeros(n, device="cuda")
+        acc = torch.zeros(ratio, coff * head_dim, device="cuda")
         for k in range(j * chunk, min((j + 1) * chunk, n_slab)):
             acc = acc + slab[k]
         parts.append(acc)

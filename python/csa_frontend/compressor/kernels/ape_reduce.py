@@ -30,14 +30,18 @@ class ApeReduce:
     @cute.jit
     def __call__(
         self,
-        mSlab: cute.Tensor,  # (row_groups, ratio*coff*d) fp32
-        mGApe: cute.Tensor,  # (ratio*coff*d,) fp32
+        mSlab: cute.Tensor,  # (row_groups, ratio, coff*d) fp32, compact
+        mGApe: cute.Tensor,  # (ratio, coff*d) fp32, compact
         split: Int32,
         stream,
     ):
-        n = mGApe.shape[0]
+        # both taken in the shapes the backward allocates and flattened here: two torch views
+        # per call cost ~2 us of host time on the H200's host (1x8192 r4 c2 d128 backward: 23 us)
+        n = cute.size(mGApe.shape)
+        slabs = cute.make_tensor(mSlab.iterator, cute.make_layout((mSlab.shape[0], n), stride=(n, 1)))
+        flat = cute.make_tensor(mGApe.iterator, cute.make_layout((n,)))
         per_cta = 32 * WARPS // split
-        self.kernel(mSlab, mGApe, split).launch(
+        self.kernel(slabs, flat, split).launch(
             grid=((n + per_cta - 1) // per_cta, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=self.pdl
         )
 

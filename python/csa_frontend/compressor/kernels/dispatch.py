@@ -125,8 +125,6 @@ def _fake_tensors(ratio: int, coff: int, head_dim: int):
         out=mat(cutlass.BFloat16, n_rows, head_dim),
         slab=make_fake_compact_tensor(cutlass.Float32, (n_grp, ratio, cols), stride_order=(2, 1, 0),
                                       assumed_align=16),
-        slab_flat=mat(cutlass.Float32, n_grp, ratio * cols),
-        ape_flat=make_fake_compact_tensor(cutlass.Float32, (ratio * cols,), assumed_align=16),
     )
 
 
@@ -224,7 +222,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
         main, per_sm = cute.compile(op, *args, options=_options(arch)), 0
     if atomic:
         return main, None, sched, per_sm
-    reduce = cute.compile(ApeReduce(op.pdl), f["slab_flat"], f["ape_flat"], one, stream, options=_options(arch))
+    reduce = cute.compile(ApeReduce(op.pdl), f["slab"], f["ape"], one, stream, options=_options(arch))
     return main, reduce, sched, per_sm
 
 
@@ -486,7 +484,7 @@ def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlen
         slab.zero_()
     main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
          rpt, groups, zero_ctas, inter)
-    reduce(slab.view(slab.shape[0], -1), grad_ape.view(-1), ape_split(slab.shape[0]))
+    reduce(slab, grad_ape, ape_split(slab.shape[0]))
 
 
 def _backward_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):
