@@ -27,6 +27,8 @@ from packs import edge_lengths, offsets, random_inputs
 # row walk.
 CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2, 64), (32, 1, 64), (48, 2, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
+#: stream configurations of CASES run again on launches of rows * ratio == tokens (``whole_launch``)
+GUESS_CASES = [(64, 2, 128), (128, 2, 64), (32, 1, 64)]
 
 
 def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, whole_launch=False):
@@ -91,7 +93,7 @@ def main():
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (the family's forward): ok", flush=True)
         # the stream kernels' first-row guesses, right ones and wrong ones (tails, padding rows)
-        for case in [(64, 2, 128), (128, 2, 64), (32, 1, 64)]:
+        for case in GUESS_CASES:
             run_case(*case, repeat=3, whole_launch=True)
         print("stream forwards of rows * ratio == tokens launches: ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
@@ -100,7 +102,7 @@ def main():
         for case in [c for c in CASES if schedule.few_rows_schedule(*c) is not None]:
             run_case(*case)
             print(f"r{case[0]} c{case[1]} d{case[2]} (default backward schedule): ok", flush=True)
-        for case in [(64, 2, 128), (128, 2, 64), (32, 1, 64)]:
+        for case in GUESS_CASES:
             run_case(*case, repeat=3, whole_launch=True)
         print("default stream backwards of rows * ratio == tokens launches: ok", flush=True)
     # the bulk-copy forward (sm_90+) at any row count, three CTAs each wrapping its stage ring
