@@ -23,8 +23,8 @@ from packs import edge_lengths, offsets, random_inputs
 # runtime loop), a forward window past the values budget at vec 2 (r7 c2: 14 positions), and
 # ratios served by the stream family (their packs are small enough for the serial forward; r48
 # c2: a 384-thread backward CTA, chunks padded to whole warps, one per SM);
-# main() adds the families' own forwards, the bulk-copy forward and the interleaved backward
-# row walk.
+# main() adds the families' own forwards, the bulk-copy forward and both families' interleaved
+# backward row walks.
 CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2, 64), (32, 1, 64), (48, 2, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
 #: stream configurations of CASES run again on launches of rows * ratio == tokens (``whole_launch``)
@@ -114,6 +114,10 @@ def main():
     with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
         run_case(4, 2, 512, repeat=4)
     print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
+    # the stream backward's interleaved row walk (compiled into coff 1), CTAs of many rows
+    with knobs(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3):
+        run_case(32, 1, 64, repeat=4)
+    print("r32 c1 d64 (interleaved stream backward rows): ok", flush=True)
     # the opt-in atomic grad_ape path: scalar adds (register window), vector reductions (stream, sm_90+)
     for case in [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]:
         run_case(*case, deterministic=False)

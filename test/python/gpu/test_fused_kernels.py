@@ -775,6 +775,39 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
     assert_same_bits(with_and_without(monkeypatch, module, knob, run))
 
 
+@pytest.mark.L1
+@pytest.mark.parametrize("pack", ["whole", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (20, 1, 96), (64, 1, 512), (16, 2, 256), (33, 2, 130)])
+def test_interleaved_stream_backward_walk_gives_the_contiguous_gradients(monkeypatch, pack, ratio, coff, head_dim):
+    """The stream backward's CTAs may walk rows ``row_groups`` apart instead of in one run
+    (``STREAM_BWD_INTERLEAVE``): grad_kv and grad_score (zero-filled slots included) get the same
+    bits either way; grad_ape sums the same values grouped by other CTAs, so it agrees to
+    rounding and is bitwise reproducible."""
+    from csa_frontend.compressor.kernels import dispatch
+    assert choose_schedule(ratio, coff, head_dim, "bwd").family == "stream"
+    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
+    grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
+    sms = schedule.STREAM_GRID_SMS
+    results = {}
+    for walk in ("0", "1"):
+        monkeypatch.setattr(schedule, "STREAM_BWD_INTERLEAVE", walk)
+        dispatch.clear_cache()
+        for few_ctas in (False, True):  # 5 SMs' worth of CTAs: each walks many rows
+            monkeypatch.setattr(schedule, "STREAM_GRID_SMS", 5 if few_ctas else sms)
+            results[walk, few_ctas] = [run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+                                       for _ in range(2)]
+    dispatch.clear_cache()
+    for few_ctas in (False, True):
+        (gkv, gs, gape), again = results["1", few_ctas]
+        want_kv, want_s, want_ape = results["0", few_ctas][0]
+        for got in (gkv, gs, gape):
+            assert not torch.isnan(got.float()).any(), "elements left unwritten"
+        assert torch.equal(gkv, want_kv) and torch.equal(gs, want_s)
+        assert all(torch.equal(a, b) for a, b in zip((gkv, gs, gape), again))
+        torch.testing.assert_close(gape, want_ape, rtol=1e-5, atol=1e-5)
+
+
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----
 
 @pytest.fixture

@@ -284,11 +284,51 @@ def test_interleaved_backward_rule_edges():
     assert not sch.bwd_interleaved(n_rows, segs + 1, 4, 2, 512, s, rpt)
 
 
-def test_interleaved_backward_never_for_stream_family(monkeypatch):
+def test_window_interleave_knob_leaves_the_stream_family_alone(monkeypatch):
     s = sch.choose_schedule(128, 2, 512, "bwd")
     assert s.family == "stream"
     monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", "1")
     assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, 32)
+
+
+@pytest.mark.parametrize("knob,coff,expected", [("auto", 1, True), ("auto", 2, False), ("0", 1, False),
+                                                ("1", 2, True)])
+def test_stream_backward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, knob, coff, expected):
+    monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", knob)
+    assert sch.stream_bwd_may_interleave(coff) is expected
+
+
+def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
+    """coff 1 only; at least STREAM_BWD_INTERLEAVE_MIN_ROWS rows per CTA; a mean segment of at
+    least STREAM_BWD_INTERLEAVE_SEGMENT_STEPS steps of ``row_groups`` rows."""
+    s = sch.choose_schedule(128, 1, 128, "bwd")
+    assert s.family == "stream"
+    ctas = sch.stream_row_ctas(s, "bwd")
+    n_rows = ctas * sch.STREAM_BWD_INTERLEAVE_MIN_ROWS
+    rpt = sch.bwd_rows_per_thread(n_rows, s)
+    assert rpt == sch.STREAM_BWD_INTERLEAVE_MIN_ROWS
+    assert sch.bwd_interleaved(n_rows, 1, 128, 1, 128, s, rpt)
+    # one row fewer per CTA: contiguous runs
+    fewer = n_rows - ctas
+    assert not sch.bwd_interleaved(fewer, 1, 128, 1, 128, s, sch.bwd_rows_per_thread(fewer, s))
+    # segments of exactly SEGMENT_STEPS steps interleave, shorter ones do not
+    step = sch.bwd_row_groups(n_rows, s, rpt)
+    segs = n_rows // (sch.STREAM_BWD_INTERLEAVE_SEGMENT_STEPS * step)
+    assert segs >= 1
+    assert sch.bwd_interleaved(n_rows, segs, 128, 1, 128, s, rpt)
+    assert not sch.bwd_interleaved(n_rows, segs + 1, 128, 1, 128, s, rpt)
+    # coff 2 never (not compiled in)
+    s2 = sch.choose_schedule(128, 2, 512, "bwd")
+    assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
+
+
+def test_stream_backward_interleave_knob_forces_every_launch(monkeypatch):
+    s = sch.choose_schedule(32, 2, 64, "bwd")
+    assert s.family == "stream"
+    monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", "1")
+    assert sch.bwd_interleaved(5, 3, 32, 2, 64, s, 1)
+    monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", "0")
+    assert not sch.bwd_interleaved(10 ** 6, 1, 32, 1, 64, s, 10 ** 4)
 
 
 @pytest.mark.parametrize("knob,expected", [("0", False), ("1", True)])

@@ -686,12 +686,56 @@ WINDOW_BWD_INTERLEAVE_MIN_ROWS = 8
 WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 
+#: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
+#: the whole grid works through one region of the pack at a time (the register window's
+#: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels ("auto"; "1":
+#: every stream backward, "0": none) and taken by launches whose CTAs walk at least
+#: ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
+#: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
+#: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
+#: contiguous -> interleaved): 1x131072 r128 c1 d128 44.87, 45.04, 45.32, 44.81 -> 41.83, 41.75,
+#: 42.23, 41.97; 1x65536 r64 c1 d512 77.06, 76.45, 76.84, 77.04 -> 75.05, 75.11, 76.40, 75.41;
+#: 1x65536 r16 c1 d256 42.89, 42.80 -> 41.94, 41.58; 1x262144 r256 c1 d64 45.69, 45.68 -> 44.63,
+#: 44.47; 8x16384 r200 c1 d192 76.2, 76.6 -> 76.3, 76.0; CTAs of 2-4 rows gain nothing (1x8192
+#: r128 c1 d128 7.81, 7.73 -> 7.86, 7.85; 1x16384 r64 c1 d512 24.0, 23.7 -> 23.9, 23.9); packs of
+#: short segments lose (64x2000 r32 c1 d128 41.8, 41.5 -> 45.7, 45.8; 512x300 r64 c1 d128 51.6,
+#: 51.4 -> 66.4, 66.8) though 100x1311 r128 c1 d128 gained (46.2, 46.1 -> 44.0, 44.4); coff 2
+#: gains nothing (1x65536 r128 c2 d512 155.6, 155.7 -> 155.3, 154.7; 4x8192 r16 c2 d256 41.2,
+#: 41.1 -> 41.0, 40.8; 48x2048 r32 c2 d256 115.1, 114.4 -> 118.1, 117.6). The stream forward
+#: walked the same way was mixed (r128 c1 d128 19.3 -> 19.1, r128 c2 d512 66.3 -> 66.7, 100x1311
+#: r128 c1 d128 20.4 -> 21.4) and is not. With the rule (third call, contiguous -> auto): 1x131072
+#: r128 c1 d128 44.84 -> 42.10, 1x65536 r64 c1 d512 76.96 -> 75.37; 512x300, 64x2000 and 100x1311
+#: (contiguous by the rule) 50.68, 41.40, 46.13 -> 50.87, 41.68, 46.26. Tuning knob,
+#: CSA_FRONTEND_STREAM_BWD_INTERLEAVE=auto|0|1 ("1" also interleaves every launch that can).
+STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
+STREAM_BWD_INTERLEAVE_MIN_ROWS = 8
+STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
+
+
+def stream_bwd_may_interleave(coff: int) -> bool:
+    """Whether the stream backward of ``coff`` is compiled with the interleaved walk
+    (``STREAM_BWD_INTERLEAVE``); a launch takes it where ``bwd_interleaved`` says so."""
+    if STREAM_BWD_INTERLEAVE in ("0", "1"):
+        return STREAM_BWD_INTERLEAVE == "1"
+    return coff == 1
+
+
 def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_dim: int, sched: Schedule,
                     rows_per_thread: int) -> bool:
-    """Whether a register-window backward launch walks its CTAs' rows interleaved (see
+    """Whether a backward launch walks its CTAs' rows interleaved (see
     ``WINDOW_BWD_INTERLEAVE``); from shapes alone, so grad_ape's summation order (each CTA's
-    slab sums the rows it walked) depends on nothing else. Never for the stream family."""
-    if sched.family != "window" or WINDOW_BWD_INTERLEAVE == "0":
+    slab sums the rows it walked) depends on nothing else. Stream family: see
+    ``STREAM_BWD_INTERLEAVE``."""
+    if sched.family == "stream":
+        if not stream_bwd_may_interleave(coff):
+            return False
+        if STREAM_BWD_INTERLEAVE == "1":
+            return True
+        if rows_per_thread < STREAM_BWD_INTERLEAVE_MIN_ROWS:
+            return False
+        step = bwd_row_groups(n_rows, sched, rows_per_thread)
+        return n_rows >= STREAM_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
+    if WINDOW_BWD_INTERLEAVE == "0":
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
         return True

@@ -28,7 +28,7 @@ from .common import (BackwardKernel, add_in_order, block_start, can_stage, chunk
                      div_exact, enter_grid, guessed_block_start, rcp_of_den, row_span, safe_max, stage_buffers,
                      stage_slots, store_partial_vector, zero_fill_cta, zero_tokens)
 from .schedule import (FIRST_ROW_ALONE, STREAM_BWD_FAST_MATH, STREAM_BWD_GUESS, chunks_per_warp, combines_once_per_cta,
-                       warp_groups)
+                       stream_bwd_may_interleave, warp_groups)
 from .stream_chunks import (ape_slice, chunk_view, exp_relative, gather_scores, invalid_position, product,
                             stage_any_chunk, warp_chunks_max, warp_chunks_sum)
 
@@ -94,7 +94,7 @@ class StreamBackward(BackwardKernel):
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-               rows_per_cta, row_groups, zero_ctas, interleaved):  # interleaved: window family only
+               rows_per_cta, row_groups, zero_ctas, interleaved):
         enter_grid(self.pdl)
         ratio, coff, vec, n_vec, chunk = self.ratio, self.coff, self.vec, self.n_vec, self.sched.chunk
         width = coff * ratio
@@ -129,7 +129,15 @@ class StreamBackward(BackwardKernel):
             # rows are looked up incrementally (``row_span``).
             staged = can_stage(vec)
             sBuf = stage_buffers(chunk, threads, vec, 1) if cutlass.const_expr(staged) else None
+            # A CTA's rows: one contiguous run, or, interleaved, ``row_groups`` apart, so that the
+            # whole grid works through one region of the pack at a time (``bwd_interleaved``;
+            # compiled in where ``stream_bwd_may_interleave``)
             row = bx * rows_per_cta
+            step = Int32(1)
+            if cutlass.const_expr(stream_bwd_may_interleave(coff)):
+                if interleaved != 0:
+                    row = bx
+                    step = row_groups
             guess = staged and STREAM_BWD_GUESS
             if cutlass.const_expr(guess):
                 # the first row requested before its lookup answers, as the stream forward's
@@ -152,7 +160,7 @@ class StreamBackward(BackwardKernel):
                 if cutlass.const_expr(FIRST_ROW_ALONE):
                     cute.arch.cp_async_wait_group(0)
             for it in cutlass.range(rows_per_cta, unroll=1):
-                nrow = row + 1
+                nrow = row + step
                 blk = row - lo  # this row's block, block count and segment end, before the cursor moves
                 n_blk = hi - lo
                 seg_end = t1
