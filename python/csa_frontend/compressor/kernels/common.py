@@ -336,9 +336,9 @@ def enter_grid(pdl: cutlass.Constexpr, release: cutlass.Constexpr = True):
 class BackwardKernel(PoolingKernel):
     """Both backward families launch alike: ``row_groups`` CTAs (one grad_ape slab each, walking
     ``rows_per_group`` rows per thread or per CTA as the family defines) plus ``zero_ctas``
-    zero-fill CTAs, times the column tiles. ``interleaved`` (window family; the stream family
-    takes 0): a CTA's rows are spread over the pack instead of one contiguous run
-    (``schedule.bwd_interleaved``)."""
+    zero-fill CTAs, times the column tiles. ``interleaved``: a CTA's rows are spread over the
+    pack instead of one contiguous run (``schedule.bwd_interleaved``; in the stream family only
+    where ``schedule.stream_bwd_may_interleave`` compiled it in)."""
 
     @cute.jit
     def __call__(
