@@ -328,7 +328,9 @@ def test_stream_backward_interleave_knob_forces_every_launch(monkeypatch):
     monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", "1")
     assert sch.bwd_interleaved(5, 3, 32, 2, 64, s, 1)
     monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", "0")
-    assert not sch.bwd_interleaved(10 ** 6, 1, 32, 1, 64, s, 10 ** 4)
+    s1 = sch.choose_schedule(32, 1, 64, "bwd")
+    assert s1.family == "stream"
+    assert not sch.bwd_interleaved(10 ** 6, 1, 32, 1, 64, s1, 10 ** 4)
 
 
 @pytest.mark.parametrize("knob,expected", [("0", False), ("1", True)])
