@@ -639,7 +639,8 @@ def test_window_rows_past_the_row_cap(few_ctas, monkeypatch, ratio, coff, head_d
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ctas", [1, 3])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (3, 2, 65), (1, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 512), (4, 1, 128), (3, 2, 65), (1, 2, 64),
+                                              (8, 2, 128)])
 def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
     """The interleaved row walk (``bwd_interleaved``), forced on: a thread's rows ``row_groups *
     row_lanes`` apart, so its cursor leaves its segment at almost every step (searches across

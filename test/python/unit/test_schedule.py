@@ -271,17 +271,36 @@ def test_interleaved_backward_rule_edges():
     fewer = n_rows - s.row_lanes * sch.BWD_TARGET_CTAS
     fewer_rpt = sch.bwd_rows_per_thread(fewer, s, None, sch.slab_bytes(4, 2, 512))
     assert not sch.bwd_interleaved(fewer, 1, 4, 2, 512, s, fewer_rpt)
-    # outside the measured gain: narrower rows, coff 1, smaller ratio
-    for ratio, coff, head_dim in [(4, 2, 256), (4, 1, 1024), (2, 2, 512)]:
+    # the measured gains: coff 2 from ratio 4, coff 1 from ratio 2, head_dim 512 and wider;
+    # outside them: narrower rows, smaller ratios
+    for ratio, coff, head_dim, expected in [(4, 2, 256, False), (2, 2, 512, False), (8, 2, 1024, True),
+                                            (4, 1, 1024, True), (2, 1, 512, True), (1, 1, 512, False),
+                                            (4, 1, 256, False)]:
         s2, rows2, rpt2 = _interleave_edge(ratio, coff, head_dim)
         assert s2.family == "window" and rpt2 == rpt
-        assert not sch.bwd_interleaved(rows2, 1, ratio, coff, head_dim, s2, rpt2)
+        assert sch.bwd_interleaved(rows2, 1, ratio, coff, head_dim, s2, rpt2) is expected, (ratio, coff, head_dim)
     # mean segment of exactly SEGMENT_STEPS steps interleaves, shorter ones do not
     step = sch.bwd_row_groups(n_rows, s, rpt) * s.row_lanes
     segs = n_rows // (sch.WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * step)
     assert segs >= 1
     assert sch.bwd_interleaved(n_rows, segs, 4, 2, 512, s, rpt)
     assert not sch.bwd_interleaved(n_rows, segs + 1, 4, 2, 512, s, rpt)
+
+
+def test_coff_1_interleaves_up_to_its_row_group_limit():
+    """Past the rows-per-thread cap the grid grows beyond BWD_TARGET_CTAS row groups; coff 1
+    interleaves up to WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS of them (more lost), coff 2 any number."""
+    limit = sch.WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS
+    assert limit > sch.BWD_TARGET_CTAS
+    for coff, expected in [(1, False), (2, True)]:
+        s = sch.choose_schedule(4, coff, 512, "bwd")
+        slab = sch.slab_bytes(4, coff, 512)
+        per_group = s.row_lanes * sch.BWD_MAX_ROWS_PER_THREAD
+        for groups, interleaved in [(limit, True), (limit + 1, expected)]:
+            n_rows = groups * per_group
+            rpt = sch.bwd_rows_per_thread(n_rows, s, None, slab)
+            assert rpt == sch.BWD_MAX_ROWS_PER_THREAD and sch.bwd_row_groups(n_rows, s, rpt) == groups
+            assert sch.bwd_interleaved(n_rows, 1, 4, coff, 512, s, rpt) is interleaved, (coff, groups)
 
 
 def test_window_interleave_knob_leaves_the_stream_family_alone(monkeypatch):

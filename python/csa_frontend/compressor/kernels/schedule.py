@@ -667,7 +667,8 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
 #: rows ``row_groups * row_lanes`` apart, so the whole grid streams through one region of the
 #: pack at a time) instead of as one contiguous run (``row_groups`` regions read and written at
-#: once). Taken for coff 2 at ratio >= ``WINDOW_BWD_INTERLEAVE_MIN_RATIO`` and head_dim >=
+#: once). Taken at ratio >= ``WINDOW_BWD_INTERLEAVE_MIN_RATIO`` (4 at coff 2, 2 at coff 1; coff
+#: 1 also needs at most ``WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS`` row groups) and head_dim >=
 #: ``WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM``, threads walking at least
 #: ``WINDOW_BWD_INTERLEAVE_MIN_ROWS`` rows, and a mean segment of at least
 #: ``WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS`` such steps (the row cursor searches whenever a step
@@ -677,10 +678,26 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None
 #: contiguous: r1 c2 d512 1x65536 175.6-175.9 -> 174.8-176.8, r4 c1 d1024 1x65536 181.5-181.8 ->
 #: 181.8-182.7, 3x8192 r4 c1 d512 36.0-36.4 -> 35.4-36.4. Slower: many short segments (512x256
 #: r4 c2 d512 298 -> 321, a search per row; 64x1000 r4 c2 d128 46.6-47.1 -> 50.3-50.5) and
-#: 3x8192 r4 c2 d128 (19.6 -> 20.2-20.5). Tuning knob (A/B): "0" never, "1" wherever the window
-#: family runs, default "auto": CSA_FRONTEND_WINDOW_BWD_INTERLEAVE.
+#: 3x8192 r4 c2 d128 (19.6 -> 20.2-20.5).
+#: coff 1 (session 38, after many kernel changes; two alternating rounds, contiguous ->
+#: interleaved, us) gains at ratio >= 2 and head_dim >= 512 on grids of the ``BWD_TARGET_CTAS``
+#: row groups: 3x8192 r4 c1 d512 33.72, 33.48 -> 32.82, 33.13;
+#: 3x8192 r2 c1 d512 35.26, 35.25 -> 34.64, 34.36; 3x8192 r4 c1 d1024 64.45, 64.23 -> 63.21, 63.24;
+#: 1x16384 r4 c1 d512 24.27, 24.09 -> 23.73, 23.63; 2x12288 r4 c1 d512 33.99, 33.89 -> 33.3, 33.4;
+#: 1x32768 r8 c1 d512 44.83, 44.72 -> 44.81, 44.62; and past the rows-per-thread cap
+#: (``BWD_MAX_ROWS_PER_THREAD``), where the grid grows: 384 row groups 3x8192 r2 c1 d512 35.26,
+#: 35.25 -> 34.64, 34.36 and 3x8192 r4 c1 d1024 64.45, 64.23 -> 63.21, 63.24. It loses at 512 and
+#: 1024 groups of d512: 1x65536 r4 c1 d512 84.2, 84.28 -> 85.38, 84.94; 1x65536 r2 c1 d512 85.39,
+#: 85.08 -> 87.22, 86.91 (1x65536 r4 c1 d1024, 1024 groups: 172.7, 172.5 -> 172.2, 171.6), so
+#: coff 1 interleaves up to ``WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS``. coff 2 keeps interleaving
+#: past the target (same session, contiguous -> interleaved: 1x65536 r4 c2 d512, 512 groups,
+#: 151.82, 151.57 -> 150.36, 150.51; 1x131072, 1024 groups, 294.38, 293.58 -> 290.73, 290.65).
+#: Tuning knob (A/B): "0" never, "1" wherever the window family runs, default "auto":
+#: CSA_FRONTEND_WINDOW_BWD_INTERLEAVE.
 WINDOW_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_WINDOW_BWD_INTERLEAVE", "auto")
-WINDOW_BWD_INTERLEAVE_MIN_RATIO = 4
+#: smallest ratio interleaved, per coff
+WINDOW_BWD_INTERLEAVE_MIN_RATIO = {1: 2, 2: 4}
+WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS = 384
 WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM = 512
 WINDOW_BWD_INTERLEAVE_MIN_ROWS = 8
 WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
@@ -739,11 +756,13 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
         return True
-    if (coff != 2 or ratio < WINDOW_BWD_INTERLEAVE_MIN_RATIO or head_dim < WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM
+    if (ratio < WINDOW_BWD_INTERLEAVE_MIN_RATIO[coff] or head_dim < WINDOW_BWD_INTERLEAVE_MIN_HEAD_DIM
             or rows_per_thread < WINDOW_BWD_INTERLEAVE_MIN_ROWS):
         return False
-    step = bwd_row_groups(n_rows, sched, rows_per_thread) * sched.row_lanes
-    return n_rows >= WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
+    groups = bwd_row_groups(n_rows, sched, rows_per_thread)
+    if coff == 1 and groups > WINDOW_BWD_INTERLEAVE_C1_MAX_GROUPS:
+        return False
+    return n_rows >= WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * groups * sched.row_lanes
 
 
 def bwd_row_groups(n_rows: int, sched: Schedule, rows_per_thread: int) -> int:
