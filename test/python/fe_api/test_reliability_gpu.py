@@ -11,7 +11,7 @@ import csa_frontend.compressor.api as api
 from csa_frontend import (CSACompressorForward, csa_compress, csa_compressor_backward_wrapper,
                           csa_compressor_forward_wrapper)
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import (bulk_forward_schedule, choose_schedule, few_rows_schedule,
+from csa_frontend.compressor.kernels.schedule import (bulk_forward_schedule, choose_schedule, row_bucket_schedule,
                                                      serial_forward_schedule)
 from csa_frontend.compressor.reference import build_windows, reference_backward, reference_forward
 from csa_frontend.compressor.plan import INT32_LIMIT
@@ -80,7 +80,7 @@ def _keys_by_config():
                        bulk_forward_schedule(ratio, coff, head_dim, arch),
                        serial_forward_schedule(ratio, coff, head_dim)}
         else:  # the backward's row-count bucket compiles with it
-            planned = {choose_schedule(ratio, coff, head_dim, "bwd"), few_rows_schedule(ratio, coff, head_dim)}
+            planned = {choose_schedule(ratio, coff, head_dim, "bwd"), row_bucket_schedule(ratio, coff, head_dim)}
         assert key_arch == arch and sched in planned, key
         grouped.setdefault((direction, ratio, coff, head_dim), []).append(key)
     return grouped
@@ -105,7 +105,7 @@ def test_concurrent_mixed_configurations_compile_each_once(fresh_kernel_cache, c
                      + (dispatch.compile_forward_one_segment(ratio=cfg[0], coff=cfg[1], head_dim=cfg[2], arch=arch)
                         is not None))
         else:
-            extra = few_rows_schedule(*cfg) is not None
+            extra = row_bucket_schedule(*cfg) is not None
         assert len(per_config) == 1 + extra, (direction, cfg, per_config)
     keys = [key for per_config in grouped.values() for key in per_config]
     for key in keys:  # the kernel layer logs each compile with its key

@@ -5,7 +5,8 @@
 # the stream family, their backwards under both row-count schedules; every forward of these small
 # packs both as the serial forward and as its family's own (the stream kernels also on launches of
 # rows * ratio == tokens, where they guess their first rows, the backward under both schedules);
-# r4 c2 d512 through the bulk-copy forward and the interleaved backward row walk; r32 c1 d64's
+# r4 c2 d512 through the bulk-copy forward and the interleaved backward row walk; r4 c1 d520
+# through the wide (16-byte) register-window backward; r32 c1 d64's
 # interleaved stream backward walk; the atomic grad_ape path of five of them; a side-stream call; a
 # pack without rows) under compute-sanitizer's memcheck, racecheck and initcheck, one after another,
 # and prints one summary line per tool. Exits non-zero if any tool reports an error, the script fails, or a run exceeds

@@ -114,6 +114,11 @@ def main():
     with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
         run_case(4, 2, 512, repeat=4)
     print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
+    # the register window's wide (16-byte) backward of long coff-1 launches, at any row count:
+    # 65 column threads x 3 row lanes, three CTAs of many rows
+    with knobs(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3):
+        run_case(4, 1, 520, repeat=4)
+    print("r4 c1 d520 (wide register-window backward): ok", flush=True)
     # the stream backward's interleaved row walk (compiled into coff 1), CTAs of many rows
     with knobs(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3):
         run_case(32, 1, 64, repeat=4)

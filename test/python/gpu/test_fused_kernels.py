@@ -652,6 +652,46 @@ def test_window_rows_interleaved(monkeypatch, ctas, ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ctas", [1, 3, 256])
+@pytest.mark.parametrize("head_dim", [512, 520, 1024])
+def test_wide_window_backward_for_long_launches(monkeypatch, ctas, head_dim):
+    """The register window's 16-byte backward (``wide_rows_schedule``: r4 c1, vec 8) taken at any
+    row count (``WINDOW_BWD_WIDE_MIN_ROWS`` = 1): exact contract over ragged packs with empty,
+    short and tail segments, padding rows and tokens past the pack; with one and three CTAs the
+    threads walk many rows (interleaved where the rule says so). head_dim 520: 65 column threads
+    and 3 row lanes per CTA."""
+    from csa_frontend.compressor.kernels import dispatch
+    ratio, coff = 4, 1
+    wide = schedule.wide_rows_schedule(ratio, coff, head_dim)
+    assert wide is not None and wide.vec == 8 and wide != choose_schedule(ratio, coff, head_dim, "bwd")
+    monkeypatch.setattr(schedule, "WINDOW_BWD_WIDE_MIN_ROWS", 1)
+    monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
+    lengths = (edge_lengths(ratio) + [0, 5 * ratio, ratio - 1]) * 4
+    rows = sum(n // ratio for n in lengths)
+    kernels = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    picked = dispatch.backward_for_rows(rows, *kernels, schedule.slab_bytes(ratio, coff, head_dim))
+    assert picked[2] == wide
+    check_config(ratio, coff, head_dim, lengths, pad_rows=5, seed=ctas + head_dim)
+
+
+@pytest.mark.L1
+def test_wide_window_backward_at_its_default_threshold():
+    """A one-segment pack of exactly ``WINDOW_BWD_WIDE_MIN_ROWS`` rows takes the wide backward
+    on the default planner (interleaved, 256 row groups) and meets the exact contract; one row
+    fewer takes the default schedule."""
+    from csa_frontend.compressor.kernels import dispatch
+    ratio, coff, head_dim = 4, 1, 512
+    rows = schedule.WINDOW_BWD_WIDE_MIN_ROWS
+    kernels = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    slab = schedule.slab_bytes(ratio, coff, head_dim)
+    _, _, sched, rpt = dispatch.backward_for_rows(rows, *kernels, slab)
+    assert sched == schedule.wide_rows_schedule(ratio, coff, head_dim)
+    assert schedule.bwd_interleaved(rows, 1, ratio, coff, head_dim, sched, rpt)
+    assert dispatch.backward_for_rows(rows - 1, *kernels, slab)[2] == choose_schedule(ratio, coff, head_dim, "bwd")
+    check_config(ratio, coff, head_dim, [rows * ratio + 3], pad_rows=2, seed=11)
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
 def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)

@@ -17,7 +17,8 @@ from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning  # noqa: E402
 
 from csa_frontend.compressor.kernels import dispatch  # noqa: E402
 from csa_frontend.compressor.kernels.schedule import (  # noqa: E402
-    LOOKUP_ONE_ROUND, bulk_forward_schedule, choose_schedule, few_rows_schedule, serial_forward_schedule)
+    LOOKUP_ONE_ROUND, bulk_forward_schedule, choose_schedule, few_rows_schedule, row_bucket_schedule,
+    serial_forward_schedule, wide_rows_schedule)
 
 CONFIGS = [  # (ratio, coff, head_dim)
     (4, 2, 128), (4, 1, 512), (1, 2, 64), (3, 2, 65), (4, 2, 4096), (8, 2, 128),
@@ -41,10 +42,11 @@ def compile_all(ratio, coff, head_dim, arch):
     assert no_reduce is None
     assert fwd_sched == choose_schedule(ratio, coff, head_dim, "fwd")
     assert bwd_sched == choose_schedule(ratio, coff, head_dim, "bwd")
-    # the row-count bucket's kernels were compiled with them (a small pack never compiles later)
-    few = few_rows_schedule(ratio, coff, head_dim)
+    # the row-count bucket's kernels were compiled with them (a small or long pack never
+    # compiles later)
+    bucket = row_bucket_schedule(ratio, coff, head_dim)
     for direction in ("bwd", "bwd_atomic"):
-        assert ((direction, arch, ratio, coff, head_dim, few) in dispatch.cache_keys()) == (few is not None)
+        assert ((direction, arch, ratio, coff, head_dim, bucket) in dispatch.cache_keys()) == (bucket is not None)
     # and the bulk-copy forward with the forward (sm_90+ only)
     bulk = bulk_forward_schedule(ratio, coff, head_dim, arch)
     assert (("fwd", arch, ratio, coff, head_dim, bulk) in dispatch.cache_keys()) == (bulk is not None)
@@ -66,6 +68,7 @@ def test_bulk_forward_is_covered():
 @pytest.mark.L0
 def test_families_are_covered():
     assert any(few_rows_schedule(*c) is not None for c in CONFIGS)
+    assert any(wide_rows_schedule(*c) is not None for c in CONFIGS)
     families = {(choose_schedule(*c, d).family, d) for c in CONFIGS for d in ("fwd", "bwd")}
     assert families == {("window", "fwd"), ("window", "bwd"), ("stream", "fwd"), ("stream", "bwd")}
     vecs = {choose_schedule(*c, "fwd").vec for c in CONFIGS} | {choose_schedule(*c, "bwd").vec for c in CONFIGS}
@@ -106,7 +109,7 @@ def test_atomic_backward_compiles_its_fallback(monkeypatch, ratio, coff, head_di
     monkeypatch.setattr(dispatch, "_cache", collections.OrderedDict())
     dispatch.compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch="sm_90a", deterministic=False)
     kinds = sorted(k[0] for k in dispatch.cache_keys() if k[2:5] == (ratio, coff, head_dim))
-    variants = 1 + (few_rows_schedule(ratio, coff, head_dim) is not None)
+    variants = 1 + (row_bucket_schedule(ratio, coff, head_dim) is not None)
     assert kinds == (["bwd"] * variants if falls_back else []) + ["bwd_atomic"] * variants
 
 

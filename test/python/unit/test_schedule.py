@@ -463,6 +463,56 @@ def test_backward_launch_takes_the_bucket_once(ratio, coff, head_dim):
             assert (main, reduce, sched, rpt) == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 1, slab))
 
 
+@pytest.mark.parametrize("head_dim,col_threads,row_lanes", [(512, 64, 4), (1024, 128, 2), (520, 65, 3),
+                                                          (4096, 256, 1)])
+def test_wide_window_backward_is_the_default_at_16_byte_accesses(head_dim, col_threads, row_lanes):
+    s = sch.choose_schedule(4, 1, head_dim, "bwd")
+    wide = sch.wide_rows_schedule(4, 1, head_dim)
+    assert s.family == "window" and s.vec == 4
+    assert wide == sch.Schedule("window", 8, col_threads, row_lanes, -(-head_dim // 8 // col_threads))
+    assert sch.row_bucket_schedule(4, 1, head_dim) == wide
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 1, 256), (4, 1, 516), (4, 2, 512), (2, 1, 512), (3, 1, 512),
+                                                 (8, 1, 512), (128, 1, 512)])
+def test_wide_window_backward_only_where_measured(ratio, coff, head_dim):
+    """r4 c1 from head_dim 512 with a head_dim vec 8 divides; elsewhere no wide schedule (the
+    row-count bucket is then the few-rows one or none)."""
+    assert sch.wide_rows_schedule(ratio, coff, head_dim) is None
+    assert sch.row_bucket_schedule(ratio, coff, head_dim) == sch.few_rows_schedule(ratio, coff, head_dim)
+
+
+def test_wide_window_backward_knob_off(monkeypatch):
+    monkeypatch.setattr(sch, "WINDOW_BWD_WIDE_MIN_ROWS", 0)
+    assert sch.wide_rows_schedule(4, 1, 512) is None and sch.row_bucket_schedule(4, 1, 512) is None
+
+
+def test_long_launches_take_the_wide_window_backward():
+    """``dispatch.backward_for_rows``: from WINDOW_BWD_WIDE_MIN_ROWS rows the wide kernels with
+    their own rows per thread, below it the default's; a stream few-rows bucket never counts as
+    wide, and a configuration without a bucket keeps its default at any count."""
+    from csa_frontend.compressor.kernels import dispatch
+    s = sch.choose_schedule(4, 1, 512, "bwd")
+    wide_sched = sch.wide_rows_schedule(4, 1, 512)
+    wide = ("wide main", "wide reduce", wide_sched, 0)
+    slab = sch.slab_bytes(4, 1, 512)
+    edge = sch.WINDOW_BWD_WIDE_MIN_ROWS
+    for n_rows in (0, 1, 6144, edge - 1, edge, edge + 1, 10 ** 6):
+        got = dispatch.backward_for_rows(n_rows, "main", "reduce", s, 0, wide, slab)
+        if n_rows >= edge:
+            assert got == wide[:3] + (sch.bwd_rows_per_thread(n_rows, wide_sched, 0, slab),)
+        else:
+            assert got == ("main", "reduce", s, sch.bwd_rows_per_thread(n_rows, s, 0, slab))
+        assert dispatch.backward_for_rows(n_rows, "main", "reduce", s, 0, None, slab)[0] == "main"
+    few_sched = sch.few_rows_schedule(128, 2, 128)
+    assert not sch.takes_wide_rows_schedule(edge, few_sched) and not sch.takes_wide_rows_schedule(edge, None)
+    # the measured launches: 1x65536 r4 c1 d512 wide (and interleaved), 3x8192 not
+    assert sch.takes_wide_rows_schedule(65536 // 4, wide_sched)
+    assert not sch.takes_wide_rows_schedule(3 * 8192 // 4, wide_sched)
+    rpt = sch.bwd_rows_per_thread(16384, wide_sched, 0, slab)
+    assert sch.bwd_interleaved(16384, 1, 4, 1, 512, wide_sched, rpt)
+
+
 def test_atomic_ape_only_where_few_row_groups_meet(monkeypatch):
     """``deterministic=False`` adds grad_ape atomically up to STREAM_ATOMIC_MAX_GROUPS row groups
     of the stream family (measured: 64 faster, 128 slower than the deterministic kernels), at

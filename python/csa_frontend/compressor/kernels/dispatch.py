@@ -36,13 +36,14 @@ from .schedule import (
     bwd_rows_per_thread,
     choose_schedule,
     few_rows_limit,
-    few_rows_schedule,
+    row_bucket_schedule,
     fwd_rows_per_cta,
     resident_ctas_per_sm,
     serial_forward_schedule,
     slab_bytes,
     stream_row_ctas,
     takes_serial_forward,
+    takes_wide_rows_schedule,
     zero_fill_ctas,
 )
 
@@ -274,14 +275,15 @@ def compile_backward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str
                      deterministic: bool = True):
     """The deterministic backward, or with ``deterministic=False`` the atomic grad_ape variant:
     (main kernel, slab reduction or None, schedule, CTAs of the main kernel per SM) of the
-    default schedule. The few-rows schedule's kernels (``few_rows_schedule``), where the planner
-    has one, are compiled too, so no row count ever compiles later
-    (``compile_backward_few_rows``); and for the atomic variant the deterministic kernels where a
-    launch could have too many row groups to add atomically (``atomic_may_fall_back``)."""
+    default schedule. The row-count bucket's kernels (``row_bucket_schedule``: few-rows stream
+    or wide register window), where the planner has them, are compiled too, so no row count
+    ever compiles later (``compile_backward_bucket``); and for the atomic variant the
+    deterministic kernels where a launch could have too many row groups to add atomically
+    (``atomic_may_fall_back``)."""
     sched = choose_schedule(ratio, coff, head_dim, "bwd")
     kernels = _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
-    few = compile_backward_few_rows(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
-    if not deterministic and atomic_may_fall_back(kernels, few):
+    bucket = compile_backward_bucket(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=deterministic)
+    if not deterministic and atomic_may_fall_back(kernels, bucket):
         compile_backward(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch)
     return kernels
 
@@ -295,11 +297,12 @@ def atomic_may_fall_back(*variants) -> bool:
                and not atomic_ape_pays(v[2], stream_row_ctas(v[2], "bwd", v[3])) for v in variants)
 
 
-def compile_backward_few_rows(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
-                              deterministic: bool = True):
-    """The backward's kernels for launches of few rows per CTA, or None where the planner has
-    no such schedule for this configuration."""
-    sched = few_rows_schedule(ratio, coff, head_dim)
+def compile_backward_bucket(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None,
+                            deterministic: bool = True):
+    """The backward's kernels for its row-count bucket (``row_bucket_schedule``: launches of few
+    rows per CTA in the stream family, long ones in the register window), or None where the
+    planner has no such schedule for this configuration."""
+    sched = row_bucket_schedule(ratio, coff, head_dim)
     if sched is None:
         return None
     return _compile_backward_schedule(ratio, coff, head_dim, arch, deterministic, sched)
@@ -367,7 +370,7 @@ class BackwardKernels(NamedTuple):
     reduce: Any  # the grad_ape slab reduction, or None (atomic variant)
     sched: Schedule
     per_sm: int  # CTAs of ``main`` an SM holds at once (stream family; else 0)
-    few: Any  # the few-rows schedule's (main, reduce, schedule, CTAs per SM), or None
+    bucket: Any  # the row-count bucket's (main, reduce, schedule, CTAs per SM), or None
 
 
 def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, head_dim: int):
@@ -389,8 +392,8 @@ def _kernels_for(direction: str, device: torch.device, ratio: int, coff: int, he
         else:
             kw = dict(ratio=ratio, coff=coff, head_dim=head_dim, arch=arch, deterministic=direction == "bwd")
             fns = compile_backward(**kw)
-            few = compile_backward_few_rows(**kw)
-            direct = BackwardKernels(*_direct_entries(fns), None if few is None else _direct_entries(few))
+            bucket = compile_backward_bucket(**kw)
+            direct = BackwardKernels(*_direct_entries(fns), None if bucket is None else _direct_entries(bucket))
         entry = _by_device[key] = (fns, direct)
     return entry[1]
 
@@ -446,25 +449,30 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, he
         _launch_forward(*args)
 
 
-def backward_for_rows(n_rows, main, reduce, sched, per_sm, few, slab):
+def backward_for_rows(n_rows, main, reduce, sched, per_sm, bucket, slab):
     """(main kernel, slab reduction, schedule, rows per thread or CTA) a backward launch of
-    ``n_rows`` rows runs: the default kernels of ``_kernels_for``, or the few-rows ones ``few``
-    where the default's CTAs would walk few rows (``schedule.takes_few_rows_schedule``; the
-    default's rows per CTA are computed once and kept where it stays). ``slab``: bytes of one
-    grad_ape slab (``schedule.slab_bytes``)."""
+    ``n_rows`` rows runs: the default kernels of ``_kernels_for``, or the row-count bucket's
+    ``bucket``: the few-rows stream kernels where the default's CTAs would walk few rows
+    (``schedule.takes_few_rows_schedule``; the default's rows per CTA are computed once and
+    kept where it stays), the wide register window's for long launches
+    (``schedule.takes_wide_rows_schedule``). ``slab``: bytes of one grad_ape slab
+    (``schedule.slab_bytes``)."""
+    if bucket is not None and takes_wide_rows_schedule(n_rows, bucket[2]):
+        main, reduce, sched, per_sm = bucket
+        return main, reduce, sched, bwd_rows_per_thread(n_rows, sched, per_sm, slab)
     rpt = bwd_rows_per_thread(n_rows, sched, per_sm, slab)
-    if few is not None and rpt <= few_rows_limit(sched, few[2]):
-        main, reduce, sched, per_sm = few
+    if bucket is not None and rpt <= few_rows_limit(sched, bucket[2]):
+        main, reduce, sched, per_sm = bucket
         rpt = bwd_rows_per_thread(n_rows, sched, per_sm, slab)
     return main, reduce, sched, rpt
 
 
-def _launch_backward(main, reduce, sched, per_sm, few, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
+def _launch_backward(main, reduce, sched, per_sm, bucket, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim, exact=None):
     """One backward launch. ``exact``: for the atomic variant, the deterministic kernels
     (``BackwardKernels``) a launch of too many row groups runs instead (``atomic_ape_pays``)."""
     n_rows = grad_out.shape[0]
-    main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, few,
+    main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, bucket,
                                                  slab_bytes(ratio, coff, head_dim))
     groups = bwd_row_groups(n_rows, sched, rpt)
     if reduce is None and exact is not None and not atomic_ape_pays(sched, groups):
@@ -492,7 +500,7 @@ def _backward_kernels(deterministic: bool, device: torch.device, ratio: int, cof
     ``_launch_backward``'s ``exact``, or None where it never does or is deterministic itself),
     each looked up once."""
     kernels = _kernels_for("bwd" if deterministic else "bwd_atomic", device, ratio, coff, head_dim)
-    if deterministic or not atomic_may_fall_back(kernels[:4], kernels.few):
+    if deterministic or not atomic_may_fall_back(kernels[:4], kernels.bucket):
         return kernels, None
     return kernels, _kernels_for("bwd", device, ratio, coff, head_dim)
 

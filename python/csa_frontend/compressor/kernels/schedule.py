@@ -227,13 +227,51 @@ def choose_schedule(ratio: int, coff: int, head_dim: int, direction: str = "fwd"
         fits = window_fits(ratio, coff, narrow, direction)
     if not fits:
         return _stream_schedule(ratio, coff, head_dim, vec, direction)
-    vec = narrow
+    return _window_schedule(head_dim, narrow, direction)
+
+
+def _window_schedule(head_dim: int, vec: int, direction: str) -> Schedule:
     n_vec = head_dim // vec
     cta_threads = WINDOW_CTA_THREADS[direction]
     col_threads = min(n_vec, cta_threads)
     col_tiles = -(-n_vec // col_threads)
     row_lanes = max(1, cta_threads // col_threads)
     return Schedule("window", vec, col_threads, row_lanes, col_tiles)
+
+
+#: Register-window backward at 16-byte accesses (vec 8: half the column threads, twice the row
+#: lanes, half the memory instructions per byte) for long launches of ratio 4, coff 1 and
+#: head_dim >= 512, whose default runs at vec 4 (``WINDOW_MAX_VEC``). Taken from this many rows
+#: (``takes_wide_rows_schedule``). Measured on the H200 (session 38, two alternating rounds, bwd
+#: us vec 4 -> vec 8): 1x65536 r4 c1 d512 84.03, 84.33 -> 80.94, 80.77 and 1x65536 r4 c1 d1024
+#: 170.98, 171.86 -> 157.74, 158.08 (16384 rows); shorter launches lose: 3x8192 r4 c1 d512 (6144
+#: rows) 33.1, 33.05 -> 35.84, 36.07, 3x8192 r4 c1 d1024 63.04, 62.76 -> 66.35, 66.64, 1x16384 r4
+#: c1 d512 23.61, 23.66 -> 25.99, 26.08; and so did other ratios (3x8192 r2 c1 d512 34.32, 34.32 ->
+#: 34.58, 34.79; session 26, NOTES row 105: 1x65536 r2 c1 d512 85.8 -> 87.0, r1 c2 161.5 -> 164.9).
+#: Tuning knob, CSA_FRONTEND_WINDOW_BWD_WIDE_ROWS (0: never; the kernel is then not compiled).
+WINDOW_BWD_WIDE_MIN_ROWS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_ROWS", "16384"))
+WINDOW_BWD_WIDE_RATIO = 4
+WINDOW_BWD_WIDE_MIN_HEAD_DIM = 512
+
+
+def wide_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
+    """The register-window backward's schedule at 16-byte accesses for long launches
+    (``WINDOW_BWD_WIDE_MIN_ROWS``), or None where the configuration has none."""
+    if WINDOW_BWD_WIDE_MIN_ROWS <= 0 or (ratio, coff) != (WINDOW_BWD_WIDE_RATIO, 1):
+        return None
+    if head_dim < WINDOW_BWD_WIDE_MIN_HEAD_DIM or vector_width(head_dim) < 8:
+        return None
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    if sched.family != "window" or sched.vec != 4 or not window_fits(ratio, coff, 8, "bwd"):
+        return None
+    return _window_schedule(head_dim, 8, "bwd")
+
+
+def takes_wide_rows_schedule(n_rows: int, wide: "Schedule | None") -> bool:
+    """Whether a backward launch of ``n_rows`` rows runs ``wide`` (``wide_rows_schedule``; the
+    row-count bucket's schedule of its configuration, None where it has none)."""
+    return (wide is not None and wide.family == "window" and WINDOW_BWD_WIDE_MIN_ROWS > 0
+            and n_rows >= WINDOW_BWD_WIDE_MIN_ROWS)
 
 
 #: Register-window forward fed by bulk copies (``window_fwd_bulk``): pipeline stages of
@@ -485,6 +523,13 @@ def few_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None"
 #: / 26.5, 1x16384 r64 c1 d512 26.3 / 26.3 / 26.0, 1x16384 r64 c2 d256 26.9 / 26.8-26.9 / 27.4.
 #: Tuning knob, CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS.
 STREAM_BWD_FEW_ROWS_NARROW_ROWS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_FEW_ROWS_NARROW_ROWS", "4"))
+
+
+def row_bucket_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
+    """The backward's second schedule, taken by launches of some row counts and compiled with
+    the default: the stream family's few-rows schedule or the register window's wide one
+    (at most one of them exists per configuration), or None."""
+    return few_rows_schedule(ratio, coff, head_dim) or wide_rows_schedule(ratio, coff, head_dim)
 
 
 def takes_few_rows_schedule(n_rows: int, sched: Schedule, few: "Schedule | None",
