@@ -556,6 +556,18 @@ def test_slab_reduction_order(n_slab):
                                                (100, 2, 66), (64, 1, 512)])
 def test_atomic_grad_ape_path(ratio, coff, head_dim):
     """deterministic=False: same grad_kv/grad_score bits, grad_ape equal up to summation order."""
+    check_atomic_path(ratio, coff, head_dim)
+
+
+@pytest.mark.L1
+def test_atomic_grad_ape_path_of_the_wide_window_backward(monkeypatch):
+    """The same through the wide register-window backward (``wide_rows_schedule``) at any row count."""
+    monkeypatch.setattr(schedule, "WINDOW_BWD_WIDE_MIN_ROWS", 1)
+    assert schedule.wide_rows_schedule(4, 1, 512) is not None
+    check_atomic_path(4, 1, 512)
+
+
+def check_atomic_path(ratio, coff, head_dim):
     cu, comp = offsets([40 * ratio + 3, 0, ratio - 1, 7 * ratio], ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + 2, ratio, coff, head_dim)
     grad_out = torch.randn(int(comp[-1]), head_dim, device="cuda").to(torch.bfloat16)
