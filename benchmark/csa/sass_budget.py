@@ -26,14 +26,16 @@ from window_registers import ROOT, parse_ptxas
 CHILD = """
 import sys
 from csa_frontend.compressor.kernels import dispatch
-from csa_frontend.compressor.kernels.schedule import bulk_forward_schedule, choose_schedule, serial_forward_schedule
+from csa_frontend.compressor.kernels.schedule import (bulk_forward_schedule, choose_schedule, serial_forward_schedule,
+                                                     wide_rows_schedule)
 kind, ratio, coff, d, path = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
 options = dispatch._options  # keep the PTX (the DSL also writes it into the dump directory)
 dispatch._options = lambda arch, cubin_dir=None: f"{options(arch, cubin_dir)} --keep-ptx --dump-dir={sys.argv[6]}"
 sched = {"serial": lambda: serial_forward_schedule(ratio, coff, d), "fwd": lambda: choose_schedule(ratio, coff, d, "fwd"),
          "bwd": lambda: choose_schedule(ratio, coff, d, "bwd"),
-         "bulk": lambda: bulk_forward_schedule(ratio, coff, d, "sm_90a")}[kind]()
-build = dispatch._build_backward if kind == "bwd" else dispatch._build_forward
+         "bulk": lambda: bulk_forward_schedule(ratio, coff, d, "sm_90a"),
+         "wide": lambda: wide_rows_schedule(ratio, coff, d)}[kind]()
+build = dispatch._build_backward if kind in ("bwd", "wide") else dispatch._build_forward
 fn = build(ratio, coff, d, sched, "sm_90a")[0]
 open(path, "w").write(str(fn.artifacts.PTX))
 print(sched)
@@ -63,7 +65,7 @@ def compile_ptx(kind: str, ratio: int, coff: int, head_dim: int, env: dict, ptx:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=["serial", "fwd", "bwd", "bulk"], default="serial")
+    ap.add_argument("--kernel", choices=["serial", "fwd", "bwd", "bulk", "wide"], default="serial")
     ap.add_argument("--config", default="128x2x128", help="RATIOxCOFFxHEAD_DIM")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the compiling process")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="path of nvdisasm")

@@ -252,6 +252,10 @@ def _window_schedule(head_dim: int, vec: int, direction: str) -> Schedule:
 WINDOW_BWD_WIDE_MIN_ROWS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_ROWS", "16384"))
 WINDOW_BWD_WIDE_RATIO = 4
 WINDOW_BWD_WIDE_MIN_HEAD_DIM = 512
+#: The wide backward takes 137-138 registers (ptxas sm_90a, d512-d1024), so one 256-thread CTA
+#: per SM; a bound of 2 caps them at 128 for two. Not yet measured on the device: 0 (no bound)
+#: by default. Tuning knob, CSA_FRONTEND_WINDOW_BWD_WIDE_CTAS_PER_SM.
+WINDOW_BWD_WIDE_CTAS_PER_SM = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_CTAS_PER_SM", "0"))
 
 
 def wide_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
