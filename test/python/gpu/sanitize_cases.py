@@ -27,6 +27,16 @@ from packs import edge_lengths, offsets, random_inputs
 # backward row walks.
 CASES = [(4, 2, 128), (3, 1, 65), (4, 2, 2), (7, 2, 128), (64, 2, 128), (128, 2, 64), (32, 1, 64), (48, 2, 64)]
 SPARE_TOKENS, PADDING_ROWS = 3, 2
+#: (label, knobs, case): schedules that long launches take, forced onto a few CTAs of many rows
+FORCED_WALKS = [
+    # the register-window backward's interleaved row walk (every step a new lookup)
+    ("interleaved backward rows", dict(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3), (4, 2, 512)),
+    # the register window's wide (16-byte) backward of long coff-1 launches, at any row count:
+    # 65 column threads x 3 row lanes
+    ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
+    # the stream backward's interleaved row walk (compiled into coff 1)
+    ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
+]
 #: stream configurations of CASES run again on launches of rows * ratio == tokens (``whole_launch``)
 GUESS_CASES = [(64, 2, 128), (128, 2, 64), (32, 1, 64)]
 
@@ -110,19 +120,10 @@ def main():
         with knobs(WINDOW_FWD_BULK_MIN_STAGES=1, WINDOW_FWD_BULK_CTAS=3):
             run_case(2, 2, 512, repeat=4)
         print("r2 c2 d512 (bulk-copy forward): ok", flush=True)
-    # the register-window backward's interleaved row walk, three CTAs (every step a new lookup)
-    with knobs(WINDOW_BWD_INTERLEAVE="1", BWD_TARGET_CTAS=3):
-        run_case(4, 2, 512, repeat=4)
-    print("r4 c2 d512 (interleaved backward rows): ok", flush=True)
-    # the register window's wide (16-byte) backward of long coff-1 launches, at any row count:
-    # 65 column threads x 3 row lanes, three CTAs of many rows
-    with knobs(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3):
-        run_case(4, 1, 520, repeat=4)
-    print("r4 c1 d520 (wide register-window backward): ok", flush=True)
-    # the stream backward's interleaved row walk (compiled into coff 1), CTAs of many rows
-    with knobs(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3):
-        run_case(32, 1, 64, repeat=4)
-    print("r32 c1 d64 (interleaved stream backward rows): ok", flush=True)
+    for label, values, case in FORCED_WALKS:
+        with knobs(**values):
+            run_case(*case, repeat=4)
+        print(f"r{case[0]} c{case[1]} d{case[2]} ({label}): ok", flush=True)
     # the opt-in atomic grad_ape path: scalar adds (register window), vector reductions (stream, sm_90+)
     for case in [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]:
         run_case(*case, deterministic=False)
