@@ -730,10 +730,9 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None
 #: 3x8192 r4 c2 d128 (19.6 -> 20.2-20.5).
 #: coff 1 (session 38, after many kernel changes; two alternating rounds, contiguous ->
 #: interleaved, us) gains at ratio >= 2 and head_dim >= 512 on grids of the ``BWD_TARGET_CTAS``
-#: row groups: 3x8192 r4 c1 d512 33.72, 33.48 -> 32.82, 33.13;
-#: 3x8192 r2 c1 d512 35.26, 35.25 -> 34.64, 34.36; 3x8192 r4 c1 d1024 64.45, 64.23 -> 63.21, 63.24;
-#: 1x16384 r4 c1 d512 24.27, 24.09 -> 23.73, 23.63; 2x12288 r4 c1 d512 33.99, 33.89 -> 33.3, 33.4;
-#: 1x32768 r8 c1 d512 44.83, 44.72 -> 44.81, 44.62; and past the rows-per-thread cap
+#: row groups: 3x8192 r4 c1 d512 33.72, 33.48 -> 32.82, 33.13; 1x16384 r4 c1 d512 24.27, 24.09 ->
+#: 23.73, 23.63; 2x12288 r4 c1 d512 33.99, 33.89 -> 33.3, 33.4; 1x32768 r8 c1 d512 44.83, 44.72 ->
+#: 44.81, 44.62; and past the rows-per-thread cap
 #: (``BWD_MAX_ROWS_PER_THREAD``), where the grid grows: 384 row groups 3x8192 r2 c1 d512 35.26,
 #: 35.25 -> 34.64, 34.36 and 3x8192 r4 c1 d1024 64.45, 64.23 -> 63.21, 63.24. It loses at 512 and
 #: 1024 groups of d512: 1x65536 r4 c1 d512 84.2, 84.28 -> 85.38, 84.94; 1x65536 r2 c1 d512 85.39,
