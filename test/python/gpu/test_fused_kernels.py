@@ -46,6 +46,12 @@ def run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim):
     return gkv, gs, gape
 
 
+def current_kernels(direction, ratio, coff, head_dim):
+    """``dispatch._kernels_for`` on the current CUDA device: the compiled kernels a call launches."""
+    from csa_frontend.compressor.kernels import dispatch
+    return dispatch._kernels_for(direction, torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+
+
 def max_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
@@ -527,11 +533,9 @@ def test_slab_reduction_order(n_slab):
     """``ape_reduce`` sums the slabs in its documented order, bit for bit, whatever the slab
     count: ``ape_split`` chunks, each summed from 0.0 in slab order, then the chunk sums in
     chunk order (chunks that end inside a block of loads take the predicated path)."""
-    from csa_frontend.compressor.kernels import dispatch
     from csa_frontend.compressor.kernels.schedule import ape_split
     ratio, coff, head_dim = 4, 2, 128
-    _, reduce, *_ = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio,
-                                          coff, head_dim)
+    _, reduce, *_ = current_kernels("bwd", ratio, coff, head_dim)
     n = ratio * coff * head_dim
     g = torch.Generator(device="cuda").manual_seed(n_slab)
     slab = 10 * torch.randn(n_slab, ratio, coff * head_dim, device="cuda", generator=g)
@@ -680,7 +684,7 @@ def test_wide_window_backward_for_long_launches(monkeypatch, ctas, head_dim):
     monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
     lengths = (edge_lengths(ratio) + [0, 5 * ratio, ratio - 1]) * 4
     rows = sum(n // ratio for n in lengths)
-    kernels = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    kernels = current_kernels("bwd", ratio, coff, head_dim)
     picked = dispatch.backward_for_rows(rows, *kernels, schedule.slab_bytes(ratio, coff, head_dim))
     assert picked[2] == wide
     check_config(ratio, coff, head_dim, lengths, pad_rows=5, seed=ctas + head_dim)
@@ -694,7 +698,7 @@ def test_wide_window_backward_at_its_default_threshold():
     from csa_frontend.compressor.kernels import dispatch
     ratio, coff, head_dim = 4, 1, 512
     rows = schedule.WINDOW_BWD_WIDE_MIN_ROWS
-    kernels = dispatch._kernels_for("bwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    kernels = current_kernels("bwd", ratio, coff, head_dim)
     slab = schedule.slab_bytes(ratio, coff, head_dim)
     _, _, sched, rpt = dispatch.backward_for_rows(rows, *kernels, slab)
     assert sched == schedule.wide_rows_schedule(ratio, coff, head_dim)
@@ -716,7 +720,7 @@ def test_one_segment_stream_forward_gives_the_default_bits(ratio, coff, head_dim
     (``compile_forward_one_segment``), which writes every row (padding too) with the same bits
     as the default stream forward (the one-round lookup) on the same pack."""
     from csa_frontend.compressor.kernels import dispatch
-    kernels = dispatch._kernels_for("fwd", torch.device("cuda", torch.cuda.current_device()), ratio, coff, head_dim)
+    kernels = current_kernels("fwd", ratio, coff, head_dim)
     assert kernels.sched.family == "stream" and kernels.one_segment is not None
     cu, comp = offsets([300 * ratio + ratio // 2], ratio)
     kv, score, ape = random_inputs(int(cu[-1]) + 2, ratio, coff, head_dim)
