@@ -405,24 +405,6 @@ def test_one_round_tiers_up_to_the_widest(loads, monkeypatch, tmp_path):
 
 
 @pytest.mark.L1
-def test_wide_backward_register_bound_only_when_set(monkeypatch, tmp_path):
-    """``WINDOW_BWD_WIDE_CTAS_PER_SM``: 0 (the default) leaves the wide register-window backward
-    unbounded; set, its PTX asks ptxas for that many CTAs per SM, and the default schedule's
-    kernel still asks nothing."""
-    from csa_frontend.compressor.kernels import common
-
-    wide, default = wide_rows_schedule(4, 1, 512), choose_schedule(4, 1, 512, "bwd")
-
-    def bounds(sched):
-        ptx = main_kernel_ptx(dispatch._build_backward, 4, 1, 512, sched, monkeypatch, tmp_path)
-        return re.findall(r"\.minnctapersm\s+(\d+)", ptx)
-
-    assert bounds(wide) == []
-    monkeypatch.setattr(common, "WINDOW_BWD_WIDE_CTAS_PER_SM", 2)
-    assert bounds(wide) == ["2"] and bounds(default) == []
-
-
-@pytest.mark.L1
 def test_stagger_knob_sleeps_odd_row_lanes_only_when_set(monkeypatch, tmp_path):
     """``WINDOW_BWD_STAGGER_NS``: 0 (the default) emits no sleep at all; set, one
     ``nanosleep`` of that length, after the first row's wait."""

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED, WINDOW_BWD_WIDE_CTAS_PER_SM, wide_rows_schedule
+from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -340,15 +340,6 @@ class BackwardKernel(PoolingKernel):
     pack instead of one contiguous run (``schedule.bwd_interleaved``; in the stream family only
     where ``schedule.stream_bwd_may_interleave`` compiled it in)."""
 
-    def launch_bounds(self) -> dict:
-        """Extra launch options: for the wide register-window backward under
-        ``WINDOW_BWD_WIDE_CTAS_PER_SM``, the CTAs per SM its registers must allow (ptxas caps
-        them; the carveout is named so that compiling needs no device). Else none."""
-        wide = self.family == "window" and self.sched == wide_rows_schedule(self.ratio, self.coff, self.head_dim)
-        if not wide or WINDOW_BWD_WIDE_CTAS_PER_SM <= 0:
-            return {}
-        return dict(min_blocks_per_mp=WINDOW_BWD_WIDE_CTAS_PER_SM, preferred_smem_carveout=100)
-
     @cute.jit
     def __call__(
         self,
@@ -373,7 +364,6 @@ class BackwardKernel(PoolingKernel):
             block=(self.sched.threads, 1, 1),
             stream=stream,
             use_pdl=self.pdl,
-            **self.launch_bounds(),
         )
 
 

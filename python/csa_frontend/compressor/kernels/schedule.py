@@ -252,10 +252,10 @@ def _window_schedule(head_dim: int, vec: int, direction: str) -> Schedule:
 WINDOW_BWD_WIDE_MIN_ROWS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_ROWS", "16384"))
 WINDOW_BWD_WIDE_RATIO = 4
 WINDOW_BWD_WIDE_MIN_HEAD_DIM = 512
-#: The wide backward takes 137-138 registers (ptxas sm_90a, d512-d1024), so one 256-thread CTA
-#: per SM; a bound of 2 caps them at 128 for two. Not yet measured on the device: 0 (no bound)
-#: by default. Tuning knob, CSA_FRONTEND_WINDOW_BWD_WIDE_CTAS_PER_SM.
-WINDOW_BWD_WIDE_CTAS_PER_SM = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_CTAS_PER_SM", "0"))
+#: It takes 137-138 registers (ptxas sm_90a, d512-d1024), one 256-thread CTA per SM. Capped at
+#: 128 for two per SM (a 24 B spill) it lost everywhere (session 39, H200, bwd us, two rounds,
+#: wide / two per SM: 1x65536 r4 c1 d512 81.78, 82.46 / 85.64, 85.63; d1024 158.21, 158.44 /
+#: 163.69, 163.53; 3x8192 r4 c1 d512 36.22, 36.45 / 34.46, 34.50 against 33.16, 33.03 at vec 4).
 
 
 def wide_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
