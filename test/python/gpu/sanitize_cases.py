@@ -36,6 +36,9 @@ FORCED_WALKS = [
     ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
     # the stream backward's interleaved row walk (compiled into coff 1)
     ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
+    # the stream forward's interleaved row walk (compiled into coff 1; the serial forward off)
+    ("interleaved stream forward rows", dict(STREAM_FWD_INTERLEAVE="1", STREAM_FWD_GRID_SMS=3, SERIAL_FWD_MAX_OUTPUTS=0),
+     (32, 1, 64)),
 ]
 #: stream configurations of CASES run again on launches of rows * ratio == tokens (``whole_launch``)
 GUESS_CASES = [(64, 2, 128), (128, 2, 64), (32, 1, 64)]

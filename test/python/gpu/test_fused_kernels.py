@@ -779,13 +779,13 @@ def pack_inputs(ratio, pack):
     return cu, comp, n_tok or int(cu[-1]), rows or int(comp[-1])
 
 
-def with_and_without(monkeypatch, module, knob, run):
-    """``run(walk)`` with ``module.knob`` off and on (each compiled afresh), for grids of one wave
-    and of CTAs that walk many rows (``walk``, which ``run`` turns into the grid knobs)."""
+def with_and_without(monkeypatch, module, knob, run, values=(False, True)):
+    """``run(walk)`` with ``module.knob`` off and on (``values``; each compiled afresh), for grids
+    of one wave and of CTAs that walk many rows (``walk``, which ``run`` turns into the grid knobs)."""
     from csa_frontend.compressor.kernels import dispatch
     results = {}
     for on in (False, True):
-        monkeypatch.setattr(module, knob, on)
+        monkeypatch.setattr(module, knob, values[on])
         dispatch.clear_cache()
         for walk in (False, True):
             results[on, walk] = run(walk)
@@ -830,6 +830,48 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
 
     module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
     assert_same_bits(with_and_without(monkeypatch, module, knob, run))
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (20, 1, 96), (64, 1, 512), (16, 2, 256), (33, 2, 130)])
+def test_interleaved_stream_forward_walk_gives_the_contiguous_bits(monkeypatch, pack, ratio, coff, head_dim):
+    """The stream forward's CTAs may walk rows the grid's row CTAs apart instead of in one run
+    (``STREAM_FWD_INTERLEAVE``, forced here onto every launch and coff): each row is still pooled
+    whole by one CTA, so every output (padding rows included) has the same bits either way, on a
+    one-wave grid and on 5 SMs' worth of CTAs that walk many rows."""
+    assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
+    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
+    assert not serial_launch(rows, ratio, coff, head_dim)
+    sms = schedule.STREAM_FWD_GRID_SMS
+
+    def run(walk):
+        monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", 5 if walk else sms)
+        return (run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows),)
+
+    assert_same_bits(with_and_without(monkeypatch, schedule, "STREAM_FWD_INTERLEAVE", run, ("0", "1")))
+
+
+@pytest.mark.L1
+def test_stream_forward_interleaves_at_its_default_rule(monkeypatch):
+    """A SPEC-sized coff-1 stream forward (r128 c1 d128, two segments, 140800 tokens) takes the
+    interleaved walk on the default planner and gives the contiguous walk's bits."""
+    from csa_frontend.compressor.kernels import dispatch
+    ratio, coff, head_dim = 128, 1, 128
+    cu, comp = offsets([550 * ratio + 77, 550 * ratio - 77], ratio)
+    kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
+    rows = int(comp[-1])
+    entry = current_kernels("fwd", ratio, coff, head_dim)
+    rpc = schedule.fwd_rows_per_cta(rows, entry.sched, entry.per_sm, entry.sms)
+    assert schedule.fwd_interleaved(rows, 2, coff, rpc)
+    got = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
+    monkeypatch.setattr(schedule, "STREAM_FWD_INTERLEAVE", "0")
+    dispatch.clear_cache()
+    want = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, rows)
+    dispatch.clear_cache()
+    assert not torch.isnan(got.float()).any(), "elements left unwritten"
+    assert torch.equal(got, want)
 
 
 @pytest.mark.L1

@@ -352,6 +352,42 @@ def test_stream_backward_interleave_knob_forces_every_launch(monkeypatch):
     assert not sch.bwd_interleaved(10 ** 6, 1, 32, 1, 64, s1, 10 ** 4)
 
 
+@pytest.mark.parametrize("knob,coff,expected", [("auto", 1, True), ("auto", 2, False), ("0", 1, False),
+                                                ("1", 2, True)])
+def test_stream_forward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, knob, coff, expected):
+    monkeypatch.setattr(sch, "STREAM_FWD_INTERLEAVE", knob)
+    assert sch.stream_fwd_may_interleave(coff) is expected
+
+
+def test_stream_forward_interleaves_long_segments_of_many_rows_per_cta():
+    """coff 1 only; at least STREAM_FWD_INTERLEAVE_MIN_ROWS rows per CTA; a mean segment of at
+    least STREAM_FWD_INTERLEAVE_SEGMENT_STEPS steps of the grid's row CTAs."""
+    s = sch.choose_schedule(128, 1, 128, "fwd")
+    assert s.family == "stream"
+    ctas = sch.stream_row_ctas(s, "fwd", None, 132)
+    n_rows = ctas * sch.STREAM_FWD_INTERLEAVE_MIN_ROWS
+    rpc = sch.fwd_rows_per_cta(n_rows, s, None, 132)
+    assert rpc == sch.STREAM_FWD_INTERLEAVE_MIN_ROWS
+    assert sch.fwd_interleaved(n_rows, 1, 1, rpc)
+    # one row fewer per CTA: contiguous runs
+    fewer = n_rows - ctas
+    assert not sch.fwd_interleaved(fewer, 1, 1, sch.fwd_rows_per_cta(fewer, s, None, 132))
+    # segments of exactly SEGMENT_STEPS steps interleave, shorter ones do not
+    segs = n_rows // (sch.STREAM_FWD_INTERLEAVE_SEGMENT_STEPS * ctas)
+    assert segs >= 1
+    assert sch.fwd_interleaved(n_rows, segs, 1, rpc)
+    assert not sch.fwd_interleaved(n_rows, segs + 1, 1, rpc)
+    # coff 2 never (not compiled in)
+    assert not sch.fwd_interleaved(10 ** 6, 1, 2, 10 ** 3)
+
+
+def test_stream_forward_interleave_knob_forces_every_launch(monkeypatch):
+    monkeypatch.setattr(sch, "STREAM_FWD_INTERLEAVE", "1")
+    assert sch.fwd_interleaved(5, 3, 2, 1)
+    monkeypatch.setattr(sch, "STREAM_FWD_INTERLEAVE", "0")
+    assert not sch.fwd_interleaved(10 ** 6, 1, 1, 10 ** 4)
+
+
 @pytest.mark.parametrize("knob,expected", [("0", False), ("1", True)])
 def test_interleaved_backward_knob(monkeypatch, knob, expected):
     s = sch.choose_schedule(4, 2, 128, "bwd")
@@ -756,6 +792,15 @@ def test_bulk_forward_row_count_boundary(bulk_cache, ratio, head_dim):
         assert ctas * per >= stages > (ctas - 1) * per and ctas <= sch.WINDOW_FWD_BULK_CTAS
 
 
+def meta_forward_inputs(ratio, coff, head_dim, n_seg=1):
+    """(kv, score, ape, cu_seqlens, cu_seqlens_comp) on the meta device, shaped as a forward
+    launch sees them (no tokens), for ``dispatch.forward_call``."""
+    import torch
+    tokens = torch.empty(0, coff * head_dim, device="meta")
+    cu = torch.empty(n_seg + 1, device="meta")
+    return tokens, tokens, torch.empty(ratio, coff * head_dim, device="meta"), cu, cu
+
+
 @pytest.mark.parametrize("ratio,coff,head_dim,routes", [
     (2, 2, 512, {"bulk", "window"}), (4, 2, 512, {"window"}), (128, 2, 128, {"stream"})])
 def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, routes):
@@ -768,7 +813,7 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     sched = sch.choose_schedule(ratio, coff, head_dim, "fwd")
     bulk_sched = sch.bulk_forward_schedule(ratio, coff, head_dim, "sm_90a")
     bulk = None if bulk_sched is None else ("bulk", bulk_sched)
-    inputs = tuple(torch.empty(0, device="meta") for _ in range(5))
+    inputs = meta_forward_inputs(ratio, coff, head_dim)
     seen = set()
     for rows in (1, 4000, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")
@@ -779,7 +824,8 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
             assert (fn, args[6:]) == ("bulk", (per_cta,))
             seen.add("bulk")
         elif sched.family == "stream":
-            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1, 132),))
+            rpc = sch.fwd_rows_per_cta(rows, sched, 1, 132)
+            assert (fn, args[6:]) == ("own", (rpc, int(sch.fwd_interleaved(rows, 1, coff, rpc))))
             seen.add("stream")
         else:
             assert (fn, args[6:]) == ("own", ())
@@ -797,18 +843,17 @@ def test_forward_call_takes_the_one_segment_stream_forward(ratio, coff, head_dim
     from csa_frontend.compressor.kernels import dispatch
     sched = sch.choose_schedule(ratio, coff, head_dim, "fwd")
     one = ("one", sched, 3)
-    kv, score, ape = (torch.empty(0, device="meta") for _ in range(3))
     rows = 4000  # r16: 31 rows per CTA at 1 CTA per SM, 16 at 3
     out = torch.empty(rows, head_dim, device="meta")
     for n_seg in (0, 1, 2, 7):
-        cu = torch.empty(n_seg + 1, device="meta")
-        fn, args = dispatch.forward_call("own", sched, 1, None, None, 132, one, kv, score, ape, cu, cu, out)
+        inputs = meta_forward_inputs(ratio, coff, head_dim, n_seg)
+        fn, args = dispatch.forward_call("own", sched, 1, None, None, 132, one, *inputs, out)
         if sched.family != "stream":
-            assert (fn, args) == ("own", (kv, score, ape, cu, cu, out))
-        elif n_seg == 1:
-            assert (fn, args[6:]) == ("one", (sch.fwd_rows_per_cta(rows, sched, 3, 132),))
+            assert (fn, args) == ("own", inputs + (out,))
         else:
-            assert (fn, args[6:]) == ("own", (sch.fwd_rows_per_cta(rows, sched, 1, 132),))
+            rpc = sch.fwd_rows_per_cta(rows, sched, 3 if n_seg == 1 else 1, 132)
+            walk = int(sch.fwd_interleaved(rows, n_seg, coff, rpc))
+            assert (fn, args[6:]) == ("one" if n_seg == 1 else "own", (rpc, walk))
 
 
 def test_serial_forward_takes_small_launches(monkeypatch):
@@ -848,7 +893,7 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
     bulk_sched = sch.bulk_forward_schedule(ratio, coff, head_dim, "sm_90a")
     bulk = None if bulk_sched is None else ("bulk", bulk_sched)
     serial = ("serial", sch.serial_forward_schedule(ratio, coff, head_dim))
-    inputs = tuple(torch.empty(0, device="meta") for _ in range(5))
+    inputs = meta_forward_inputs(ratio, coff, head_dim)
     edge = sch.serial_forward_outputs(sched.family) // head_dim
     for rows in (1, edge, edge + 1, 10 ** 6):
         out = torch.empty(rows, head_dim, device="meta")

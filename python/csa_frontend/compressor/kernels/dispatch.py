@@ -36,6 +36,7 @@ from .schedule import (
     bwd_rows_per_thread,
     choose_schedule,
     few_rows_limit,
+    fwd_interleaved,
     fwd_rows_per_cta,
     resident_ctas_per_sm,
     row_bucket_schedule,
@@ -193,8 +194,9 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         family = WindowForward if sched.family == "window" else SerialForward
         fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
         return fn, sched, 0
+    one = cutlass.Int32(1)
     fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
-                                   *args, cutlass.Int32(1), stream, arch=arch)
+                                   *args, one, one, stream, arch=arch)
     return fn, sched, per_sm
 
 
@@ -428,7 +430,9 @@ def forward_call(fn, sched, per_sm, bulk, serial, sms, one_segment, kv, score, a
     if sched.family == "stream":
         if one_segment is not None and cu_seqlens.shape[0] == 2:
             fn, _, per_sm = one_segment
-        return fn, args + (fwd_rows_per_cta(rows, sched, per_sm, sms),)
+        rpc = fwd_rows_per_cta(rows, sched, per_sm, sms)
+        coff = kv.shape[1] // out.shape[1]  # kv rows hold coff * head_dim values
+        return fn, args + (rpc, int(fwd_interleaved(rows, cu_seqlens.shape[0] - 1, coff, rpc)))
     return fn, args
 
 

@@ -713,6 +713,43 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None
     return max(1, -(-n_rows // stream_row_ctas(sched, "fwd", resident, sms)))
 
 
+#: Stream forward: each CTA walks rows ``row CTAs`` apart instead of one contiguous run, as the
+#: stream backward (``STREAM_BWD_INTERLEAVE``), so the grid reads one region of the pack at a
+#: time. Compiled into the coff-1 kernels ("auto"; "1": every stream forward, "0": none) and
+#: taken by launches whose CTAs walk at least ``STREAM_FWD_INTERLEAVE_MIN_ROWS`` rows over
+#: segments of at least ``STREAM_FWD_INTERLEAVE_SEGMENT_STEPS`` such steps on average. Session
+#: 37 measured the walk on every launch (H200, two alternating rounds, fwd us contiguous ->
+#: interleaved): 1x131072 r128 c1 d128 19.29, 19.36 -> 19.02, 19.11; 1x65536 r64 c1 d512 36.45,
+#: 36.00 -> 35.98, 35.77; but coff 2 lost (1x131072 r128 c2 d512 128.2, 128.4 -> 129.2, 129.7)
+#: and so did short segments (100x1311 r128 c1 d128 20.46, 20.36 -> 21.38, 21.35), which the
+#: rule leaves contiguous. Tuning knob, CSA_FRONTEND_STREAM_FWD_INTERLEAVE=auto|0|1.
+STREAM_FWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_FWD_INTERLEAVE", "auto")
+STREAM_FWD_INTERLEAVE_MIN_ROWS = 8
+STREAM_FWD_INTERLEAVE_SEGMENT_STEPS = 4
+
+
+def stream_fwd_may_interleave(coff: int) -> bool:
+    """Whether the stream forward of ``coff`` is compiled with the interleaved walk
+    (``STREAM_FWD_INTERLEAVE``); a launch takes it where ``fwd_interleaved`` says so."""
+    if STREAM_FWD_INTERLEAVE in ("0", "1"):
+        return STREAM_FWD_INTERLEAVE == "1"
+    return coff == 1
+
+
+def fwd_interleaved(n_rows: int, n_segments: int, coff: int, rows_per_cta: int) -> bool:
+    """Whether a stream forward launch of ``rows_per_cta`` rows per CTA (``fwd_rows_per_cta``)
+    walks its CTAs' rows interleaved (``STREAM_FWD_INTERLEAVE``). The forward's outputs do not
+    depend on its walk: each row is pooled whole by one CTA."""
+    if not stream_fwd_may_interleave(coff):
+        return False
+    if STREAM_FWD_INTERLEAVE == "1":
+        return True
+    if rows_per_cta < STREAM_FWD_INTERLEAVE_MIN_ROWS:
+        return False
+    step = -(-n_rows // rows_per_cta)
+    return n_rows >= STREAM_FWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
+
+
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
 #: rows ``row_groups * row_lanes`` apart, so the whole grid streams through one region of the
 #: pack at a time) instead of as one contiguous run (``row_groups`` regions read and written at

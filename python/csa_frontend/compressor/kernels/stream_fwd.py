@@ -15,7 +15,8 @@ partial buffers alternate between rows), and no per-element division. The merge 
 fixed, so outputs are bitwise reproducible; they differ from the reference by re-association
 only (tolerance contract, docs/csa_compressor.md).
 
-Grid: x over groups of ``rows_per_cta`` rows, y over column tiles of ``col_threads`` slices.
+Grid: x over groups of ``rows_per_cta`` rows (one contiguous run each, or interleaved with
+the other groups' rows: ``fwd_interleaved``), y over column tiles of ``col_threads`` slices.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_s
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
 from .schedule import (FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED, chunks_per_warp,
-                       warp_groups)
+                       stream_fwd_may_interleave, warp_groups)
 
 
 @cute.jit
@@ -99,9 +100,10 @@ class StreamForward(PoolingKernel):
         mCuC: cute.Tensor,  # (B+1,) int32
         mOut: cute.Tensor,  # (total_comp, d) bf16
         rows_per_cta: Int32,
+        interleaved: Int32,
         stream,
     ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta).launch(
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta, interleaved).launch(
             grid=((mOut.shape[0] + rows_per_cta - 1) // rows_per_cta, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             stream=stream,
@@ -109,7 +111,7 @@ class StreamForward(PoolingKernel):
         )
 
     @cute.kernel
-    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta):
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut, rows_per_cta, interleaved):
         enter_grid(self.pdl)
         vec, n_vec, chunk = self.vec, self.n_vec, self.sched.chunk
         ct, threads = self.sched.col_threads, self.sched.threads
@@ -136,7 +138,15 @@ class StreamForward(PoolingKernel):
         # leaves its segment, as dependent loads of the offsets stalled every row.
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
+        # A CTA's rows: one contiguous run, or, interleaved, the grid's row CTAs apart, so that
+        # the whole grid reads one region of the pack at a time (``fwd_interleaved``; compiled
+        # in where ``stream_fwd_may_interleave``)
         row = bx * rows_per_cta
+        step = Int32(1)
+        if cutlass.const_expr(stream_fwd_may_interleave(self.coff)):
+            if interleaved != 0:
+                row = bx
+                step = cute.arch.grid_dim()[0]
         guess = staged and STREAM_FWD_GUESS
         if cutlass.const_expr(guess):
             # the first row requested before its lookup answers, where a launch of T / ratio
@@ -161,7 +171,7 @@ class StreamForward(PoolingKernel):
             if cutlass.const_expr(FIRST_ROW_ALONE):
                 cute.arch.cp_async_wait_group(0)
         for it in cutlass.range(rows_per_cta, unroll=1):
-            nrow = row + 1
+            nrow = row + step
             if nrow >= hi:
                 t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, nrow, False, self.one_round_loads("fwd"))
             nown0, nhas_prev = block_start(t0, nrow - lo, self.ratio, mKV.shape[0])
