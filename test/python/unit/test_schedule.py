@@ -310,11 +310,12 @@ def test_window_interleave_knob_leaves_the_stream_family_alone(monkeypatch):
     assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, 32)
 
 
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("knob,coff,expected", [("auto", 1, True), ("auto", 2, False), ("0", 1, False),
                                                 ("1", 2, True)])
-def test_stream_backward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, knob, coff, expected):
-    monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", knob)
-    assert sch.stream_bwd_may_interleave(coff) is expected
+def test_stream_kernels_compile_the_interleaved_walk_for_coff_1(monkeypatch, direction, knob, coff, expected):
+    monkeypatch.setattr(sch, f"STREAM_{direction.upper()}_INTERLEAVE", knob)
+    assert getattr(sch, f"stream_{direction}_may_interleave")(coff) is expected
 
 
 def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
@@ -350,13 +351,6 @@ def test_stream_backward_interleave_knob_forces_every_launch(monkeypatch):
     s1 = sch.choose_schedule(32, 1, 64, "bwd")
     assert s1.family == "stream"
     assert not sch.bwd_interleaved(10 ** 6, 1, 32, 1, 64, s1, 10 ** 4)
-
-
-@pytest.mark.parametrize("knob,coff,expected", [("auto", 1, True), ("auto", 2, False), ("0", 1, False),
-                                                ("1", 2, True)])
-def test_stream_forward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, knob, coff, expected):
-    monkeypatch.setattr(sch, "STREAM_FWD_INTERLEAVE", knob)
-    assert sch.stream_fwd_may_interleave(coff) is expected
 
 
 def test_stream_forward_interleaves_long_segments_of_many_rows_per_cta():

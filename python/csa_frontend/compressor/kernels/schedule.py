@@ -728,26 +728,39 @@ STREAM_FWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_FWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 
+def _compiles_stream_walk(knob: str, coff: int) -> bool:
+    """A stream interleave knob's compile-time side: "auto" compiles the walk into coff 1 only,
+    "1" into every coff, "0" into none."""
+    return knob == "1" if knob in ("0", "1") else coff == 1
+
+
+def _takes_stream_walk(knob: str, coff: int, n_rows: int, n_segments: int, rows_per_cta: int,
+                       min_rows: int, segment_steps: int) -> bool:
+    """A stream interleave knob's per-launch side: where compiled in, "1" always; "auto" for
+    CTAs of at least ``min_rows`` rows over segments of at least ``segment_steps`` steps of the
+    grid's row CTAs on average (each step into a new segment is a lookup on the row's path)."""
+    if not _compiles_stream_walk(knob, coff):
+        return False
+    if knob == "1":
+        return True
+    if rows_per_cta < min_rows:
+        return False
+    step = -(-n_rows // rows_per_cta)
+    return n_rows >= segment_steps * max(1, n_segments) * step
+
+
 def stream_fwd_may_interleave(coff: int) -> bool:
     """Whether the stream forward of ``coff`` is compiled with the interleaved walk
     (``STREAM_FWD_INTERLEAVE``); a launch takes it where ``fwd_interleaved`` says so."""
-    if STREAM_FWD_INTERLEAVE in ("0", "1"):
-        return STREAM_FWD_INTERLEAVE == "1"
-    return coff == 1
+    return _compiles_stream_walk(STREAM_FWD_INTERLEAVE, coff)
 
 
 def fwd_interleaved(n_rows: int, n_segments: int, coff: int, rows_per_cta: int) -> bool:
     """Whether a stream forward launch of ``rows_per_cta`` rows per CTA (``fwd_rows_per_cta``)
     walks its CTAs' rows interleaved (``STREAM_FWD_INTERLEAVE``). The forward's outputs do not
     depend on its walk: each row is pooled whole by one CTA."""
-    if not stream_fwd_may_interleave(coff):
-        return False
-    if STREAM_FWD_INTERLEAVE == "1":
-        return True
-    if rows_per_cta < STREAM_FWD_INTERLEAVE_MIN_ROWS:
-        return False
-    step = -(-n_rows // rows_per_cta)
-    return n_rows >= STREAM_FWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
+    return _takes_stream_walk(STREAM_FWD_INTERLEAVE, coff, n_rows, n_segments, rows_per_cta,
+                              STREAM_FWD_INTERLEAVE_MIN_ROWS, STREAM_FWD_INTERLEAVE_SEGMENT_STEPS)
 
 
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
@@ -817,9 +830,7 @@ STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 def stream_bwd_may_interleave(coff: int) -> bool:
     """Whether the stream backward of ``coff`` is compiled with the interleaved walk
     (``STREAM_BWD_INTERLEAVE``); a launch takes it where ``bwd_interleaved`` says so."""
-    if STREAM_BWD_INTERLEAVE in ("0", "1"):
-        return STREAM_BWD_INTERLEAVE == "1"
-    return coff == 1
+    return _compiles_stream_walk(STREAM_BWD_INTERLEAVE, coff)
 
 
 def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_dim: int, sched: Schedule,
@@ -828,15 +839,9 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
     ``WINDOW_BWD_INTERLEAVE``); from shapes alone, so grad_ape's summation order (each CTA's
     slab sums the rows it walked) depends on nothing else. Stream family: see
     ``STREAM_BWD_INTERLEAVE``."""
-    if sched.family == "stream":
-        if not stream_bwd_may_interleave(coff):
-            return False
-        if STREAM_BWD_INTERLEAVE == "1":
-            return True
-        if rows_per_thread < STREAM_BWD_INTERLEAVE_MIN_ROWS:
-            return False
-        step = bwd_row_groups(n_rows, sched, rows_per_thread)
-        return n_rows >= STREAM_BWD_INTERLEAVE_SEGMENT_STEPS * max(1, n_segments) * step
+    if sched.family == "stream":  # rows_per_thread: rows per CTA, so the steps are its row groups
+        return _takes_stream_walk(STREAM_BWD_INTERLEAVE, coff, n_rows, n_segments, rows_per_thread,
+                                  STREAM_BWD_INTERLEAVE_MIN_ROWS, STREAM_BWD_INTERLEAVE_SEGMENT_STEPS)
     if WINDOW_BWD_INTERLEAVE == "0":
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
