@@ -252,10 +252,11 @@ def _window_schedule(head_dim: int, vec: int, direction: str) -> Schedule:
 WINDOW_BWD_WIDE_MIN_ROWS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_WIDE_ROWS", "16384"))
 WINDOW_BWD_WIDE_RATIO = 4
 WINDOW_BWD_WIDE_MIN_HEAD_DIM = 512
-#: It takes 137-138 registers (ptxas sm_90a, d512-d1024), one 256-thread CTA per SM. Capped at
-#: 128 for two per SM (a 24 B spill) it lost everywhere (session 39, H200, bwd us, two rounds,
-#: wide / two per SM: 1x65536 r4 c1 d512 81.78, 82.46 / 85.64, 85.63; d1024 158.21, 158.44 /
-#: 163.69, 163.53; 3x8192 r4 c1 d512 36.22, 36.45 / 34.46, 34.50 against 33.16, 33.03 at vec 4).
+#: The wide backward takes 137-138 registers (ptxas sm_90a, d512-d1024): one 256-thread CTA per
+#: SM. Capped at 128 for two per SM (a 24 B spill), it lost everywhere (session 39, H200, bwd
+#: us, two rounds, wide / two per SM: 1x65536 r4 c1 d512 81.78, 82.46 / 85.64, 85.63; d1024
+#: 158.21, 158.44 / 163.69, 163.53; 3x8192 r4 c1 d512 36.22, 36.45 / 34.46, 34.50 against 33.16,
+#: 33.03 at vec 4).
 
 
 def wide_rows_schedule(ratio: int, coff: int, head_dim: int) -> "Schedule | None":
@@ -713,9 +714,9 @@ def fwd_rows_per_cta(n_rows: int, sched: Schedule, resident: "int | None" = None
     return max(1, -(-n_rows // stream_row_ctas(sched, "fwd", resident, sms)))
 
 
-#: Stream forward: each CTA walks rows ``row CTAs`` apart instead of one contiguous run, as the
-#: stream backward (``STREAM_BWD_INTERLEAVE``), so the grid reads one region of the pack at a
-#: time. Compiled into the coff-1 kernels ("auto"; "1": every stream forward, "0": none) and
+#: Stream forward: each CTA walks rows the grid's row CTAs apart instead of one contiguous run,
+#: as the stream backward (``STREAM_BWD_INTERLEAVE``), so the grid reads one region of the pack
+#: at a time. Compiled into the coff-1 kernels ("auto"; "1": every stream forward, "0": none) and
 #: taken by launches whose CTAs walk at least ``STREAM_FWD_INTERLEAVE_MIN_ROWS`` rows over
 #: segments of at least ``STREAM_FWD_INTERLEAVE_SEGMENT_STEPS`` such steps on average. Session
 #: 37 measured the walk on every launch (H200, two alternating rounds, fwd us contiguous ->
@@ -739,14 +740,11 @@ def _takes_stream_walk(knob: str, coff: int, n_rows: int, n_segments: int, rows_
     """A stream interleave knob's per-launch side: where compiled in, "1" always; "auto" for
     CTAs of at least ``min_rows`` rows over segments of at least ``segment_steps`` steps of the
     grid's row CTAs on average (each step into a new segment is a lookup on the row's path)."""
-    if not _compiles_stream_walk(knob, coff):
+    if knob in ("0", "1"):  # per call on the host: the common answers first, no nested calls
+        return knob == "1"
+    if coff != 1 or rows_per_cta < min_rows:
         return False
-    if knob == "1":
-        return True
-    if rows_per_cta < min_rows:
-        return False
-    step = -(-n_rows // rows_per_cta)
-    return n_rows >= segment_steps * max(1, n_segments) * step
+    return n_rows >= segment_steps * max(1, n_segments) * -(-n_rows // rows_per_cta)
 
 
 def stream_fwd_may_interleave(coff: int) -> bool:
