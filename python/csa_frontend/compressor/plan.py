@@ -150,7 +150,9 @@ def check_is_tensor(name: str, t) -> None:
 
 
 def _fmt_shape(shape: Sequence[Optional[int]], names: Sequence[str]) -> str:
-    return "(" + ", ".join(n if s is None else str(s) for s, n in zip(shape, names)) + ")"
+    """As Python prints a shape tuple, so the expected and the actual shape read alike."""
+    items = [n if s is None else str(s) for s, n in zip(shape, names)]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def check_tensor(
@@ -216,7 +218,7 @@ def check_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, cfg: CompressorCon
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens: expected at least 1 element (B+1 offsets, B >= 0), got shape (0,)")
     check_tensor("cu_seqlens_comp", cu_seqlens_comp, OFFSET_DTYPE, (cu_seqlens.shape[0],),
-                 ("B+1 like cu_seqlens",), device, same_device)
+                 ("len(cu_seqlens)",), device, same_device)
 
 
 def check_rows(name: str, rows, num_tokens: int, cfg: CompressorConfig) -> int:

@@ -90,7 +90,7 @@ CASES = [
     case("cu_seqlens-2d", "cu_seqlens", lambda t: t[None], ValueError, "cu_seqlens: expected a 1-D tensor"),
     case("cu_seqlens-empty", "cu_seqlens", lambda t: t[:0], ValueError, "cu_seqlens: expected at least 1 element"),
     case("cu_seqlens_comp-length", "cu_seqlens_comp", lambda t: t[:-1], ValueError,
-         "cu_seqlens_comp: expected shape (B+1 like cu_seqlens) = (5)"),
+         "cu_seqlens_comp: expected shape (len(cu_seqlens),) = (5,), got (4,)"),
     case("grad_out-cols", "grad_out", lambda t: t[:, :-1].contiguous(), ValueError,
          "grad_out: expected shape (total_comp, head_dim)", "64"),
     case("out-cols", "out", lambda t: torch.cat([t, t], 1), ValueError, "out: expected shape (total_comp, head_dim)"),
