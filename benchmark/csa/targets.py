@@ -72,8 +72,8 @@ def check(meta: dict):
 
 
 def _digits(t: float, limits) -> int:
-    """Decimals that tell a time from the limits it misses: 1, or 2 where a miss by under
-    0.05 us would print as 'needs <= 19.9' beside a time of 19.9."""
+    """Decimals that tell a time from the limits it misses: 1, or 2 where one decimal prints
+    the time and a limit it misses alike (19.87 us beside 'needs <= 19.86' read 19.9 and 19.9)."""
     return 2 if any(f"{t:.1f}" == f"{limit:.1f}" for limit in limits) else 1
 
 
