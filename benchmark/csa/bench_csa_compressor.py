@@ -9,11 +9,12 @@ simplest kernel reaches), and the host wall clock per call without graphs. Print
 writes JSON and a PNG chart.
 
     python benchmark/csa/bench_csa_compressor.py [--shapes all|r4|families|midratio|i,j,...] [--out DIR]
-        [--providers fused,eager,copy] [--directions fwd,bwd]
+        [--providers fused,eager,copy] [--directions fwd,bwd[,bwd_frozen]]
 
 ``--shapes`` items are indices into SHAPES or ``SEGxSEQLENxRATIOxCOFFxHEAD_DIM`` (e.g.
 ``1x16384x4x2x512``). An A/B of a tuning knob is two runs of the fused provider, one with the
 knob set: ``CSA_FRONTEND_WINDOW_BWD_INTERLEAVE=0 python ... --providers fused --directions bwd``.
+``bwd_frozen`` times the backward of a frozen ape (no grad_ape: no slab reduction launch).
 """
 from __future__ import annotations
 
@@ -195,12 +196,14 @@ def rotated_copies(shape):
 
 
 def fused_call(direction, cu, comp, ratio, coff, d, deterministic=True):
-    """``fn(st)``: one fused launch of ``direction`` on the input set ``st`` (``make_problem``)."""
+    """``fn(st)``: one fused launch of ``direction`` on the input set ``st`` (``make_problem``);
+    ``bwd_frozen``: the backward without grad_ape."""
     kw = dict(ratio=ratio, coff=coff, head_dim=d)
     if direction == "fwd":
         return lambda st: kernels.forward(st["kv"], st["score"], st["ape"], cu, comp, st["out"], **kw)
+    frozen = direction == "bwd_frozen"
     return lambda st: kernels.backward(st["kv"], st["score"], st["ape"], cu, comp, st["grad_out"], st["gkv"],
-                                       st["gs"], st["gape"], deterministic=deterministic, **kw)
+                                       st["gs"], None if frozen else st["gape"], deterministic=deterministic, **kw)
 
 
 def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
@@ -210,7 +213,7 @@ def bench_shape(shape, bw, providers, directions=("fwd", "bwd")):
     res = {"shape": shape_name(shape), "tokens": n_tok, "rows": n_rows}
     reason = kernels.unsupported_reason(ratio, coff, d, "sm_90a")
     for direction in directions:
-        nbytes = traffic_bytes(n_tok, n_rows, coff, d, direction)
+        nbytes = traffic_bytes(n_tok, n_rows, coff, d, direction.split("_")[0])
         res[f"{direction}_floor_us"] = nbytes / bw * 1e6
         if reason is None and "fused" in providers:
             fn = fused_call(direction, cu, comp, ratio, coff, d)

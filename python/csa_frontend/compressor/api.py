@@ -228,8 +228,9 @@ class CSACompressorBackward(_CompressorOp):
     """Gradients of the pooling w.r.t. kv, score and ape, recomputed from the inputs.
 
     ``grad_kv``/``grad_score`` may be uninitialised: every element is written (never-consumed
-    slots get +0.0); ``grad_ape`` is overwritten. ``deterministic=False`` allows an atomic
-    grad_ape reduction (see ``determinism_guard``)."""
+    slots get +0.0); ``grad_ape`` is overwritten, or not computed where it is None (a frozen
+    ape: the backward then skips its grad_ape reduction launch). ``deterministic=False`` allows
+    an atomic grad_ape reduction (see ``determinism_guard``)."""
 
     _direction = "backward"
 
@@ -250,7 +251,8 @@ class CSACompressorBackward(_CompressorOp):
 
     def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
                 current_stream=None) -> None:
-        """Write the three gradients; checks every tensor against the plan first."""
+        """Write the three gradients (``grad_ape`` None: the first two only); checks every tensor
+        against the plan first."""
         self._require_compiled()
         fast = self._fast
         if fast is not None and current_stream is None and self._fast_backward_ok(
@@ -271,8 +273,8 @@ class CSACompressorBackward(_CompressorOp):
         """grad_ape reaches the atomic backward's kernel as a view, so its shape is checked here."""
         fast = self._fast
         try:
-            return (grad_ape.dtype is _F32 and grad_ape.shape == fast.ape_shape and grad_ape.is_contiguous()
-                    and grad_ape.device == fast.dev
+            return ((grad_ape is None or (grad_ape.dtype is _F32 and grad_ape.shape == fast.ape_shape
+                                          and grad_ape.is_contiguous() and grad_ape.device == fast.dev))
                     and fast.serves_operator(kv, cu_seqlens, cu_seqlens_comp, grad_out.shape[0]))
         except Exception:
             return False
@@ -284,19 +286,19 @@ class CSACompressorBackward(_CompressorOp):
         determinism_guard(self.deterministic)
         if self._checks_contents:
             plan.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], cfg.ratio, total_comp, rows_name)
+        wanted = (grad_kv, grad_score) if grad_ape is None else (grad_kv, grad_score, grad_ape)
         if total_comp == 0:
-            for t in (grad_kv, grad_score, grad_ape):
+            for t in wanted:
                 t.zero_()
             return
         if self.device.type == "cpu":
             with torch.no_grad():
                 grads = reference_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, cfg.ratio,
                                            cfg.coff)
-                for dst, src in zip((grad_kv, grad_score, grad_ape), grads):
+                for dst, src in zip(wanted, grads):
                     dst.copy_(src)
             return
-        _record_on(stream, self.device,
-                   (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape))
+        _record_on(stream, self.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *wanted))
         _kernels().backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
                             deterministic=self.deterministic, stream=stream, **self._kernel_kwargs())
 
@@ -410,7 +412,8 @@ def _fast_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head
     return out
 
 
-def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, deterministic):
+def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, deterministic,
+                   compute_grad_ape=True):
     """``(grad_kv, grad_score, grad_ape)`` by the fast path, or None to take the checked path.
     The backward always launches (it zero-fills never-consumed slots), so the entry point's
     checks cover grad_out and the inputs even without rows."""
@@ -422,7 +425,7 @@ def _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio,
         return None
     determinism_guard(deterministic)
     try:
-        grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+        grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape) if compute_grad_ape else None)
         fp.launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads)
     except Exception:  # refused by the entry point's checks (nothing launched): the checked path names it
         return None
@@ -475,22 +478,25 @@ def csa_compressor_forward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, 
 
 def csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio: int = 4,
                                     head_dim: Optional[int] = None, coff: int = 2, stream=None,
-                                    deterministic: bool = True, validate: Optional[bool] = None) -> OpResult:
+                                    deterministic: bool = True, validate: Optional[bool] = None,
+                                    compute_grad_ape: bool = True) -> OpResult:
     """Allocate the gradients and run the backward pooling; returns
     ``{"grad_kv", "grad_score", "grad_ape"}`` (also unpackable in that order). Gradients of
-    padding rows (``cu_seqlens_comp[-1] <= row < grad_out.shape[0]``) are ignored."""
-    if stream is None and validate is None and type(deterministic) is bool:
+    padding rows (``cu_seqlens_comp[-1] <= row < grad_out.shape[0]``) are ignored.
+    ``compute_grad_ape=False`` (a frozen ape) returns ``grad_ape`` None and skips its reduction."""
+    if stream is None and validate is None and type(deterministic) is bool and type(compute_grad_ape) is bool:
         grads = _fast_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim,
-                               deterministic)
+                               deterministic, compute_grad_ape)
         if grads is not None:
             return OpResult(grad_kv=grads[0], grad_score=grads[1], grad_ape=grads[2])
     cfg = _checked_inputs(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, stream)
     plan.check_row_operand("grad_out", grad_out, torch.bfloat16, cfg, kv.device)
     plan.check_rows("grad_out.shape[0]", grad_out.shape[0], kv.shape[0], cfg)
     deterministic = plan.check_flag("deterministic", deterministic)
+    compute_grad_ape = plan.check_flag("compute_grad_ape", compute_grad_ape)
     grad_kv = torch.empty_like(kv)
     grad_score = torch.empty_like(score)
-    grad_ape = torch.empty_like(ape)
+    grad_ape = torch.empty_like(ape) if compute_grad_ape else None
     validate = plan.validate_requested(validate)
     op = _cached_op(
         ("backward", kv.device, cfg, deterministic, validate),

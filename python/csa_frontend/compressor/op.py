@@ -25,13 +25,15 @@ def _forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
                                           total_comp=total_comp)["out"]
 
 
-def _backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio: int, coff: int, deterministic: bool):
+def _backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio: int, coff: int, deterministic: bool,
+              compute_grad_ape: bool = True):
     # Autograd hands over whatever layout the consumer produced (often an expanded view): the
     # kernels need a dense, 16-byte aligned buffer.
     if not grad_out.is_contiguous() or grad_out.data_ptr() % POINTER_ALIGNMENT:
         grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     return tuple(csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
-                                                 ratio=ratio, coff=coff, deterministic=deterministic))
+                                                 ratio=ratio, coff=coff, deterministic=deterministic,
+                                                 compute_grad_ape=compute_grad_ape))
 
 
 # -- traced route: torch.library custom ops ----------------------------------------------------
@@ -54,13 +56,20 @@ def _compress_fwd_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
 @torch.library.custom_op("csa_frontend::compress_bwd", mutates_args=())
 def compress_bwd(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,
                  cu_seqlens_comp: torch.Tensor, grad_out: torch.Tensor, ratio: int, coff: int,
-                 deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, deterministic)
+                 deterministic: bool, compute_grad_ape: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``compute_grad_ape=False`` (ape needs no gradient) returns an empty third tensor: the schema
+    has no optional outputs. The default keeps backward graphs compiled before the argument
+    existed working: torch's AOTAutograd cache is keyed on the forward graph, so a warm cache
+    can replay an older backward's call of this op."""
+    grad_kv, grad_score, grad_ape = _backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff,
+                                              deterministic, compute_grad_ape)
+    return grad_kv, grad_score, ape.new_empty((0,)) if grad_ape is None else grad_ape
 
 
 @compress_bwd.register_fake
-def _compress_bwd_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, deterministic):
-    return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+def _compress_bwd_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, deterministic,
+                       compute_grad_ape=True):
+    return torch.empty_like(kv), torch.empty_like(score), ape.new_empty(ape.shape if compute_grad_ape else (0,))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -70,8 +79,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _custom_op_backward(ctx, grad_out):
-    grads = compress_bwd(*ctx.saved_tensors, grad_out.contiguous(), *ctx.static)
-    return (*grads, None, None, None, None, None, None)
+    need_ape = ctx.needs_input_grad[2]
+    grad_kv, grad_score, grad_ape = compress_bwd(*ctx.saved_tensors, grad_out.contiguous(), *ctx.static, need_ape)
+    return grad_kv, grad_score, grad_ape if need_ape else None, None, None, None, None, None, None
 
 
 compress_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
@@ -88,7 +98,8 @@ class _CompressFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = _backward(*ctx.saved_tensors, grad_out, *ctx.static)
+        # a frozen ape (no gradient wanted) skips the grad_ape reduction
+        grads = _backward(*ctx.saved_tensors, grad_out, *ctx.static, ctx.needs_input_grad[2])
         return (*grads, None, None, None, None, None, None)
 
 

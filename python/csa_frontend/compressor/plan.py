@@ -254,11 +254,14 @@ def check_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_k
 
 
 def check_gradients(grad_kv, grad_score, grad_ape, kv, cfg: CompressorConfig, device: torch.device) -> None:
-    """The three gradient buffers mirror kv, score and ape."""
+    """The three gradient buffers mirror kv, score and ape; ``grad_ape`` may be None (not
+    computed: a frozen ape)."""
     tok = ("T like kv", "coff*head_dim")
     for name, t in (("grad_kv", grad_kv), ("grad_score", grad_score)):
         check_tensor(name, t, dtype=KV_DTYPE, shape=(kv.shape[0], cfg.cols), dims=tok, device=device,
                      device_origin="the device of kv")
+    if grad_ape is None:
+        return
     check_tensor("grad_ape", grad_ape, dtype=APE_DTYPE, shape=(cfg.ratio, cfg.cols),
                  dims=("ratio", "coff*head_dim"), device=device, device_origin="the device of kv")
 

@@ -80,6 +80,31 @@ def test_results_index_like_a_dict_and_unpack_like_a_tuple():
 
 
 @pytest.mark.L0
+@pytest.mark.parametrize("extra_rows", [0, 2])
+def test_backward_without_grad_ape(extra_rows):
+    """A frozen ape: ``grad_ape=None`` to ``execute``, ``compute_grad_ape=False`` to the wrapper;
+    grad_kv and grad_score as the full backward's, every element written."""
+    pack = make_pack([9, 0, 13, 2], 4, 2, 8, extra_tokens=3, extra_rows=extra_rows, seed=extra_rows)
+    want = reference_backward(*pack.inputs, pack.grad_out, 4, 2)
+    grads = _uninitialised_grads(pack)[:2]
+    op = _backward_op(pack, [*grads, None])
+    op.compile()
+    op.execute(*pack.inputs, pack.grad_out, *grads, None)
+    assert torch.equal(grads[0], want[0]) and torch.equal(grads[1], want[1])
+    res = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4, compute_grad_ape=False)
+    assert list(res.keys()) == ["grad_kv", "grad_score", "grad_ape"] and res["grad_ape"] is None
+    assert torch.equal(res["grad_kv"], want[0]) and torch.equal(res["grad_score"], want[1])
+    with pytest.raises(ValueError, match="compute_grad_ape: expected True or False, got 0"):
+        csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4, compute_grad_ape=0)
+    empty = make_pack([3, 2], 4, 2, 8)  # no rows: zeros, and nothing for grad_ape
+    grads = _uninitialised_grads(empty)[:2]
+    op = _backward_op(empty, [*grads, None])
+    op.compile()
+    op.execute(*empty.inputs, empty.grad_out, *grads, None)
+    assert not any(g.any() for g in grads)
+
+
+@pytest.mark.L0
 def test_default_total_comp_reads_the_offsets():
     pack = make_pack([9, 0, 7], 4, 2, 8, extra_rows=2)
     out = csa_compressor_forward_wrapper(*pack.inputs, ratio=4)["out"]

@@ -263,3 +263,52 @@ def test_class_execute_refuses_what_its_plan_does_not_cover_and_leaves_outputs_u
         with pytest.raises(ValueError, match=name):
             bwd.execute(*args)
     assert_untouched()
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("ratio,coff,head_dim,kind,deterministic",
+                         [(4, 2, 128, "ragged", True), (4, 1, 512, "padding", True), (128, 2, 128, "empty", True),
+                          (16, 2, 256, "padding", True), (4, 2, 128, "short", False), (128, 1, 128, "ragged", False)])
+def test_frozen_ape_backward_writes_the_same_grad_kv_and_grad_score(ratio, coff, head_dim, kind, deterministic):
+    """grad_ape not wanted (``grad_ape=None``, ``compute_grad_ape=False``, an ape that needs no
+    gradient): the backward skips its reduction, and grad_kv / grad_score keep every bit and
+    every zero-filled slot of the full backward (NaN-poisoned buffers)."""
+    pack = make_kind(kind, ratio, coff, head_dim, seed=ratio + coff, device="cuda")
+    _supported_or_skip(pack)
+    kw = dict(ratio=ratio, coff=coff, deterministic=deterministic)
+    full = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    grads = [torch.full_like(t, float("nan")) for t in (pack.kv, pack.score)]
+    bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, None, **kw)
+    bwd.compile()
+    for _ in range(2):  # the checked first call, then the prepared launch
+        for g in grads:
+            g.fill_(float("nan"))
+        bwd.execute(*pack.inputs, pack.grad_out, *grads, None)
+        assert torch.equal(grads[0], full["grad_kv"]) and torch.equal(grads[1], full["grad_score"])
+    for _ in range(2):  # the wrapper: checked, then its fast path
+        frozen = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, compute_grad_ape=False, **kw)
+        assert frozen["grad_ape"] is None
+        assert torch.equal(frozen["grad_kv"], full["grad_kv"]) and torch.equal(frozen["grad_score"], full["grad_score"])
+    kv, score = (t.clone().requires_grad_() for t in (pack.kv, pack.score))
+    out = csa_compress(kv, score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp, ratio=ratio, coff=coff,
+                       total_comp=pack.total_comp, deterministic=deterministic)
+    (out.float() * pack.grad_out.float()).sum().backward()
+    assert torch.equal(kv.grad, full["grad_kv"]) and torch.equal(score.grad, full["grad_score"])
+
+
+@pytest.mark.L1
+def test_frozen_ape_backward_captures_in_a_cuda_graph():
+    pack = make_pack([300, 77, 1024], 4, 2, 128, extra_rows=3, device="cuda")
+    _supported_or_skip(pack)
+    expected = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, ratio=4, compute_grad_ape=False)
+    grad_out = pack.grad_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = csa_compressor_backward_wrapper(*pack.inputs, grad_out, ratio=4, compute_grad_ape=False)
+    fresh = torch.randn(grad_out.shape, device="cuda").to(torch.bfloat16)
+    grad_out.copy_(fresh)  # new data, copied in place
+    graph.replay()
+    torch.cuda.synchronize()
+    want = csa_compressor_backward_wrapper(*pack.inputs, fresh, ratio=4)
+    assert grads["grad_ape"] is None and not torch.equal(want["grad_kv"], expected["grad_kv"])
+    assert torch.equal(grads["grad_kv"], want["grad_kv"]) and torch.equal(grads["grad_score"], want["grad_score"])

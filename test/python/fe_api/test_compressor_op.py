@@ -91,7 +91,34 @@ def test_opcheck(total_comp):
     rows = pack.total_comp if total_comp == "explicit" else -1
     torch.library.opcheck(op_module.compress_fwd, (*_leaves(pack), pack.cu_seqlens, pack.cu_seqlens_comp, 4, 2,
                                                    rows, True))
-    torch.library.opcheck(op_module.compress_bwd, (*pack.inputs, pack.grad_out, 4, 2, True))
+    for compute_grad_ape in (True, False):
+        torch.library.opcheck(op_module.compress_bwd, (*pack.inputs, pack.grad_out, 4, 2, True, compute_grad_ape))
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("compiled", [False, True])
+def test_frozen_ape_skips_grad_ape(compiled, monkeypatch):
+    """An ape that needs no gradient: the backward is asked for none (so it skips its reduction),
+    ape.grad stays None, and kv / score get the full backward's gradients."""
+    pack = make_pack([9, 0, 13], 4, 2, 16, extra_rows=1)
+    asked = []
+    wrapper = op_module.csa_compressor_backward_wrapper
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["compute_grad_ape"])
+        return wrapper(*args, **kwargs)
+
+    monkeypatch.setattr(op_module, "csa_compressor_backward_wrapper", spy)
+    step = torch.compile(_step, fullgraph=True, dynamic=True) if compiled else _step
+    for ape_trains in (True, False):
+        kv, score, ape = _leaves(pack)
+        ape.requires_grad_(ape_trains)
+        step(kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp, pack.total_comp, pack.grad_out).backward()
+        assert (ape.grad is not None) == ape_trains and asked[-1] == ape_trains
+        if ape_trains:
+            want = (kv.grad, score.grad, ape.grad)
+        else:
+            assert torch.equal(kv.grad, want[0]) and torch.equal(score.grad, want[1])
 
 
 def _step(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, weight):

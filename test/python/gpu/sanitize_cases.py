@@ -44,7 +44,8 @@ FORCED_WALKS = [
 GUESS_CASES = [(64, 2, 128), (128, 2, 64), (32, 1, 64)]
 
 
-def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, whole_launch=False):
+def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, whole_launch=False,
+             compute_grad_ape=True):
     """``whole_launch``: kv and the output rows sized so that rows * ratio == tokens, where the
     stream kernels request their first rows before their lookups (``STREAM_FWD_GUESS``,
     ``STREAM_BWD_GUESS``); the pack's tails and padding rows make some of those guesses wrong."""
@@ -61,12 +62,15 @@ def run_case(ratio, coff, head_dim, stream=None, repeat=1, deterministic=True, w
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())
     out = csa_compressor_forward_wrapper(kv, score, ape, cu, comp, total_comp=total, **kw)["out"]
-    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, deterministic=deterministic, **kw)
+    grads = csa_compressor_backward_wrapper(kv, score, ape, cu, comp, grad_out, deterministic=deterministic,
+                                            compute_grad_ape=compute_grad_ape, **kw)
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
     want = (reference_forward(kv, score, ape, cu, comp, ratio, coff, total),
             *reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff))
     for name, got, ref in zip(("out", "grad_kv", "grad_score", "grad_ape"), (out, *grads), want):
+        if got is None:  # grad_ape of a frozen ape
+            continue
         ref = ref.float()
         torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * max(1.0, float(ref.abs().max())),
                                    msg=lambda m: f"r{ratio} c{coff} d{head_dim} {name}: {m}")
@@ -131,6 +135,11 @@ def main():
     for case in [(4, 2, 128), (3, 1, 65), (64, 2, 128), (128, 2, 64), (32, 1, 64)]:
         run_case(*case, deterministic=False)
     print("atomic grad_ape path: ok", flush=True)
+    # a frozen ape: no grad_ape (slabs to scratch, no reduction; atomics into zeroed scratch)
+    for case in [(4, 2, 128), (64, 2, 128)]:
+        for deterministic in (True, False):
+            run_case(*case, deterministic=deterministic, compute_grad_ape=False)
+    print("frozen ape (no grad_ape): ok", flush=True)
     run_case(*CASES[0], stream=torch.cuda.Stream())
     run_empty()
     torch.cuda.synchronize()

@@ -616,6 +616,33 @@ def test_atomic_backward_launch_falls_back_to_the_deterministic_kernels():
     assert names == ["exact main", "exact reduce"]
 
 
+def test_backward_launch_without_grad_ape_skips_the_reduction():
+    """``dispatch._launch_backward`` with ``grad_ape`` None (a frozen ape): the deterministic main
+    kernel still gets its slabs but no reduction runs; the atomic one adds into zeroed scratch."""
+    import torch
+
+    from csa_frontend.compressor.kernels import dispatch
+    ratio, coff, head_dim, rows = 16, 2, 256, 40
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    calls = []
+
+    def kernel(name):
+        return lambda *args: calls.append((name, tuple(args[8].shape[1:]) if name.endswith("main") else None))
+
+    cols = coff * head_dim
+    cu = torch.tensor([0, rows * ratio], dtype=torch.int32)
+    comp = torch.tensor([0, rows], dtype=torch.int32)
+    kv = torch.zeros(rows * ratio, cols, dtype=torch.bfloat16)
+    ape = torch.zeros(ratio, cols)
+    for kernels, want in [(dispatch.BackwardKernels(kernel("exact main"), kernel("exact reduce"), s, 2, None),
+                           [("exact main", (ratio, cols))]),
+                          ((kernel("atomic main"), None, s, 2, None), [("atomic main", (ratio, cols))])]:
+        calls.clear()
+        dispatch._launch_backward(*kernels, kv, kv, ape, cu, comp, torch.zeros(rows, head_dim), kv, kv, None,
+                                  ratio, coff, head_dim)
+        assert calls == want
+
+
 def test_atomic_backward_looks_up_its_fallback_only_where_it_needs_one(monkeypatch):
     """``dispatch._backward_kernels``: the direction's kernels, and the deterministic direction's
     for an atomic variant that may meet too many row groups (default or few-rows schedule), else

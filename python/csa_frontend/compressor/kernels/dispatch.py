@@ -474,7 +474,10 @@ def backward_for_rows(n_rows, main, reduce, sched, per_sm, bucket, slab):
 def _launch_backward(main, reduce, sched, per_sm, bucket, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out,
                      grad_kv, grad_score, grad_ape, ratio, coff, head_dim, exact=None):
     """One backward launch. ``exact``: for the atomic variant, the deterministic kernels
-    (``BackwardKernels``) a launch of too many row groups runs instead (``atomic_ape_pays``)."""
+    (``BackwardKernels``) a launch of too many row groups runs instead (``atomic_ape_pays``).
+    ``grad_ape`` None (the caller does not want it, e.g. a frozen ape): the main kernel's
+    partials go to scratch and the slab reduction, a dependent launch of 1.6-5.7 us on the
+    H200 (NOTES row 123), is not run."""
     n_rows = grad_out.shape[0]
     main, reduce, sched, rpt = backward_for_rows(n_rows, main, reduce, sched, per_sm, bucket,
                                                  slab_bytes(ratio, coff, head_dim))
@@ -487,16 +490,21 @@ def _launch_backward(main, reduce, sched, per_sm, bucket, kv, score, ape, cu_seq
     zero_ctas = zero_fill_ctas(n_seg, sched)
     inter = int(bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, sched, rpt))
     if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
-        grad_ape.zero_()
-        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-             grad_ape.view(1, ratio, coff * head_dim), rpt, groups, zero_ctas, inter)
+        if grad_ape is None:  # zeroed all the same: atomics read what they add to (initcheck)
+            sums = torch.zeros((1, ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
+        else:
+            grad_ape.zero_()
+            sums = grad_ape.view(1, ratio, coff * head_dim)
+        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, sums, rpt, groups,
+             zero_ctas, inter)
         return
     slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
-    if groups == 0:
+    if groups == 0 and grad_ape is not None:
         slab.zero_()
     main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
          rpt, groups, zero_ctas, inter)
-    reduce(slab, grad_ape, ape_split(slab.shape[0]))
+    if grad_ape is not None:
+        reduce(slab, grad_ape, ape_split(slab.shape[0]))
 
 
 def _backward_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):
@@ -546,7 +554,7 @@ def prepared_forward(device: torch.device, ratio: int, coff: int, head_dim: int)
 def prepared_backward(device: torch.device, ratio: int, coff: int, head_dim: int,
                       deterministic: bool = True) -> Callable:
     """``launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-    grad_ape)`` on the current stream."""
+    grad_ape)`` on the current stream (``grad_ape`` None: not computed)."""
     kernels, exact = _backward_kernels(deterministic, device, ratio, coff, head_dim)
     index = device.index
 
