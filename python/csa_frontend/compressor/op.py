@@ -98,9 +98,24 @@ class _CompressFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # a frozen ape (no gradient wanted) skips the grad_ape reduction
-        grads = _backward(*ctx.saved_tensors, grad_out, *ctx.static, ctx.needs_input_grad[2])
-        return (*grads, None, None, None, None, None, None)
+        saved = ctx.saved_tensors
+        with torch.no_grad():
+            # a frozen ape (no gradient wanted) skips the grad_ape reduction
+            grads = _backward(*saved, grad_out, *ctx.static, ctx.needs_input_grad[2])
+        return (*_differentiable_once(grads, (grad_out, *saved[:3])), None, None, None, None, None, None)
+
+
+def _differentiable_once(grads, depends_on):
+    """The gradients, made to raise if anything differentiates them again (a gradient penalty
+    under ``create_graph=True``): the kernels have no second derivative, and without this the
+    term would be silently left out. ``torch.autograd.function.once_differentiable`` looks at
+    grad_out alone, so a loss linear in ``out`` (constant grad_out) slipped past it; here the
+    saved inputs count too."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in depends_on):
+        return grads
+    fail = torch._C._functions.DelayedError(
+        b"csa_compress has no double backward: its gradients cannot be differentiated again", len(grads))
+    return fail(*[None if g is None else g.detach().requires_grad_() for g in grads])
 
 
 def csa_compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_seqlens: torch.Tensor,

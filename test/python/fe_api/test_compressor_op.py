@@ -190,3 +190,22 @@ def test_deterministic_flag_reaches_backward():
     torch.use_deterministic_algorithms(True)
     with pytest.raises(RuntimeError, match="deterministic=False"):
         out.float().sum().backward()
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("route", ["eager", "custom_op", "compiled"])
+def test_double_backward_is_an_error_not_a_dropped_term(route):
+    """A gradient penalty differentiates the gradients again. The kernels have no second
+    derivative: every route must raise instead of silently leaving that term out."""
+    pack = make_pack([9, 13], 4, 2, 16, extra_rows=1)
+    pooled = {
+        "eager": lambda *a: csa_compress(*a, total_comp=pack.total_comp),
+        "custom_op": lambda *a: op_module.compress_fwd(*a, 4, 2, pack.total_comp, True),
+        "compiled": torch.compile(lambda *a: csa_compress(*a, total_comp=pack.total_comp), fullgraph=True),
+    }[route]
+    kv, score, ape = _leaves(pack)
+    out = pooled(kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    (grad_kv,) = torch.autograd.grad(_loss(out, pack.grad_out), (kv,), create_graph=True)
+    penalty = (grad_kv.float() ** 2).sum() + (kv.float() ** 2).sum()
+    with pytest.raises(RuntimeError, match="csa_compress has no double backward|no autograd formula|double backward"):
+        penalty.backward()
