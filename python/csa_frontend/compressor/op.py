@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from .api import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+from .plan import check_flag
 from ..api_base import POINTER_ALIGNMENT
 
 
@@ -124,6 +125,8 @@ def csa_compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, cu_se
     """Differentiable pooling ``out (total_comp, head_dim)`` of a THD pack (SPEC section 2);
     gradients flow to ``kv``, ``score`` and ``ape``. ``total_comp=None`` reads
     ``cu_seqlens_comp[-1]`` (a sync on CUDA; an unbacked size under ``torch.compile``)."""
+    if type(deterministic) is not bool:  # else only the backward would find out, after the forward ran
+        check_flag("deterministic", deterministic)
     if torch.compiler.is_compiling():
         return compress_fwd(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
                             -1 if total_comp is None else total_comp, deterministic)

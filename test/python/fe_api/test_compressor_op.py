@@ -209,3 +209,15 @@ def test_double_backward_is_an_error_not_a_dropped_term(route):
     penalty = (grad_kv.float() ** 2).sum() + (kv.float() ** 2).sum()
     with pytest.raises(RuntimeError, match="csa_compress has no double backward|no autograd formula|double backward"):
         penalty.backward()
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("flag", [1, None, "yes"])
+def test_bad_deterministic_flag_is_refused_before_the_forward(flag, monkeypatch):
+    def fail(*args):
+        raise AssertionError("the forward ran before the flag was checked")
+
+    monkeypatch.setattr(op_module, "_forward", fail)
+    pack = make_pack([9, 13], 4, 2, 16)
+    with pytest.raises(ValueError, match=f"deterministic: expected True or False, got {flag!r}"):
+        csa_compress(*_leaves(pack), pack.cu_seqlens, pack.cu_seqlens_comp, deterministic=flag)
