@@ -85,13 +85,15 @@ def assert_contract(name, got, ref, oracle, count=True):
     assert_oracle_parity(name, got, ref, oracle)
 
 
-def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, fwd_exact, bwd_exact):
+def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, fwd_exact, bwd_exact,
+               variants=False):
     """Both directions of one pack against the reference, each under its family's contract (a
     launch small enough for the serial forward must match the reference bit for bit, and then
     runs again on its family's forward, checked but for the count of differing elements):
     ``fwd_exact`` (register window) asks every ``out`` element within one bf16 step,
     ``bwd_exact`` bit-identical ``grad_kv``/``grad_score``; otherwise the stream family's
-    tolerance contract. ``extra_tokens`` past the last segment must come back as zero gradients."""
+    tolerance contract. ``extra_tokens`` past the last segment must come back as zero gradients.
+    ``variants``: also the atomic and the frozen-ape backwards (``check_backward_variants``)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     cu, comp = offsets(lengths, ratio)
     n_tok = int(cu[-1]) + extra_tokens
@@ -135,6 +137,8 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
         assert_contract("grad_kv", gkv, rkv, okv)
         assert_contract("grad_score", gs, rs, os_)
         torch.testing.assert_close(gape, rape, rtol=1e-4, atol=1e-4 * rape.abs().max().item())
+    if variants:
+        check_backward_variants((kv, score, ape, cu, comp, grad_out), (gkv, gs, gape), ratio, coff, head_dim)
 
 
 def check_config(ratio, coff, head_dim, lengths, pad_rows=0, seed=0):
@@ -576,11 +580,25 @@ def check_atomic_path(ratio, coff, head_dim):
     kv, score, ape = random_inputs(int(cu[-1]) + 2, ratio, coff, head_dim)
     grad_out = torch.randn(int(comp[-1]), head_dim, device="cuda").to(torch.bfloat16)
     det = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
-    fast = [torch.full_like(t, float("nan")) for t in det]
-    kernels.backward(kv, score, ape, cu, comp, grad_out, *fast, ratio=ratio, coff=coff, head_dim=head_dim,
-                     deterministic=False)
-    assert torch.equal(fast[0], det[0]) and torch.equal(fast[1], det[1])
-    torch.testing.assert_close(fast[2], det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item())
+    check_backward_variants((kv, score, ape, cu, comp, grad_out), det, ratio, coff, head_dim,
+                            variants=[(False, True)])
+
+
+def check_backward_variants(inputs, det, ratio, coff, head_dim,
+                            variants=((False, True), (True, False), (False, False))):
+    """The other backwards of one pack against its deterministic one ``det``: for each
+    ``(deterministic, wants_grad_ape)``, grad_kv and grad_score keep every bit (NaN-poisoned
+    buffers, so every element is written), the atomic grad_ape equals ``det``'s up to summation
+    order, and without grad_ape (a frozen ape) none is computed."""
+    for deterministic, wants_ape in variants:
+        got = [torch.full_like(t, float("nan")) for t in det[:2]]
+        got.append(torch.full_like(det[2], float("nan")) if wants_ape else None)
+        kernels.backward(*inputs, *got, ratio=ratio, coff=coff, head_dim=head_dim, deterministic=deterministic)
+        what = f"deterministic={deterministic}, grad_ape {'wanted' if wants_ape else 'None'}"
+        assert torch.equal(got[0], det[0]), f"{what}: grad_kv differs in {(got[0] != det[0]).sum().item()} elements"
+        assert torch.equal(got[1], det[1]), f"{what}: grad_score differs in {(got[1] != det[1]).sum().item()} elements"
+        if wants_ape:
+            torch.testing.assert_close(got[2], det[2], rtol=1e-5, atol=1e-5 * det[2].abs().max().item(), msg=what)
 
 
 @pytest.mark.L1

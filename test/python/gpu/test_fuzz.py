@@ -5,7 +5,8 @@ nobody picked (``packs.draw_fuzz_case``): any ratio 1..256, coff 1 or 2, any hea
 (odd ones too), ragged packs of empty, short, exact and tail segments, padding rows and tokens
 past the last segment, and now and then a pack long enough for the schedules only long
 launches take (bulk-copy forward, interleaved backward rows, many rows per stream CTA). Every
-case runs on the default planner, under its family's contract per direction (``check_pack``).
+case runs on the default planner, under its family's contract per direction (``check_pack``),
+and its backward again atomically and without grad_ape (``check_backward_variants``).
 A case is a pure function of its seed, so a failure reruns alone with ``-k "seed17-"``;
 ``CSA_FRONTEND_FUZZ_SEEDS=48-447`` runs a deeper campaign (``packs.fuzz_seeds``).
 """
@@ -36,4 +37,4 @@ def test_fuzz(seed):
     ratio, coff, head_dim, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
     check_pack(ratio, coff, head_dim, lengths, pad_rows=pad_rows, seed=seed, extra_tokens=extra_tokens,
                fwd_exact=choose_schedule(ratio, coff, head_dim, "fwd").family == "window",
-               bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window")
+               bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window", variants=True)
