@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from csa_frontend import csa_compress
 from csa_frontend.compressor.kernels.schedule import choose_schedule
 
-from .packs import draw_fuzz_case, fuzz_seeds
-from .test_fused_kernels import check_pack
+from .packs import draw_fuzz_case, fuzz_seeds, offsets, random_inputs
+from .test_fused_kernels import check_pack, run_backward, run_forward
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,3 +39,25 @@ def test_fuzz(seed):
     check_pack(ratio, coff, head_dim, lengths, pad_rows=pad_rows, seed=seed, extra_tokens=extra_tokens,
                fwd_exact=choose_schedule(ratio, coff, head_dim, "fwd").family == "window",
                bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window", variants=True)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("seed", fuzz_seeds(), ids=case_id)
+def test_fuzz_through_csa_compress(seed):
+    """The same draws through the public autograd op, which validates, sizes ``out`` from
+    ``total_comp`` and allocates the gradients itself: its forward and gradients carry the bits
+    of the kernel launches ``test_fuzz`` checks against the reference."""
+    ratio, coff, head_dim, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + extra_tokens, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + pad_rows
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    want_out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    want = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+    leaves = [t.clone().requires_grad_() for t in (kv, score, ape)]
+    out = csa_compress(*leaves, cu, comp, ratio=ratio, coff=coff, total_comp=total)
+    out.backward(grad_out)
+    assert torch.equal(out.detach(), want_out)
+    for name, leaf, w in zip(("kv", "score", "ape"), leaves, want):
+        assert torch.equal(leaf.grad, w), f"grad of {name}: {(leaf.grad != w).sum().item()} elements differ"
