@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
+from csa_frontend import csa_compress
 from csa_frontend.compressor import kernels
 from csa_frontend.compressor.kernels import schedule, window_bwd
 from csa_frontend.compressor.kernels.schedule import choose_schedule, serial_forward_schedule, takes_serial_forward
@@ -93,13 +94,14 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
     ``fwd_exact`` (register window) asks every ``out`` element within one bf16 step,
     ``bwd_exact`` bit-identical ``grad_kv``/``grad_score``; otherwise the stream family's
     tolerance contract. ``extra_tokens`` past the last segment must come back as zero gradients.
-    ``variants``: also the atomic and the frozen-ape backwards (``check_backward_variants``)."""
+    ``variants``: also the atomic and the frozen-ape backwards (``check_backward_variants``) and
+    the public autograd op (``check_csa_compress``) on the same pack."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     cu, comp = offsets(lengths, ratio)
     n_tok = int(cu[-1]) + extra_tokens
     kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim, generator=g)
     total = int(comp[-1]) + pad_rows
-    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    out = launched = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
     assert not torch.isnan(out).any(), "forward left elements unwritten"
     ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
     oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
@@ -138,7 +140,23 @@ def check_pack(ratio, coff, head_dim, lengths, *, pad_rows, seed, extra_tokens, 
         assert_contract("grad_score", gs, rs, os_)
         torch.testing.assert_close(gape, rape, rtol=1e-4, atol=1e-4 * rape.abs().max().item())
     if variants:
-        check_backward_variants((kv, score, ape, cu, comp, grad_out), (gkv, gs, gape), ratio, coff, head_dim)
+        inputs = (kv, score, ape, cu, comp, grad_out)
+        check_backward_variants(inputs, (gkv, gs, gape), ratio, coff, head_dim)
+        check_csa_compress(inputs, total, launched, (gkv, gs, gape), ratio, coff)
+
+
+def check_csa_compress(inputs, total_comp, out, grads, ratio, coff):
+    """The public autograd op on a pack whose default launches gave ``out`` and ``grads``: it
+    validates, sizes ``out`` from ``total_comp`` and allocates the gradients itself, and must
+    carry those launches' bits."""
+    kv, score, ape, cu, comp, grad_out = inputs
+    leaves = [t.clone().requires_grad_() for t in (kv, score, ape)]
+    pooled = csa_compress(*leaves, cu, comp, ratio=ratio, coff=coff, total_comp=total_comp)
+    pooled.backward(grad_out)
+    assert torch.equal(pooled.detach(), out), "csa_compress: out differs from the kernel launch"
+    for name, leaf, want in zip(("kv", "score", "ape"), leaves, grads):
+        differ = (leaf.grad != want).sum().item()
+        assert torch.equal(leaf.grad, want), f"csa_compress: grad of {name} differs in {differ} elements"
 
 
 def check_config(ratio, coff, head_dim, lengths, pad_rows=0, seed=0):

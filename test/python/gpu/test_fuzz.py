@@ -6,7 +6,8 @@ nobody picked (``packs.draw_fuzz_case``): any ratio 1..256, coff 1 or 2, any hea
 past the last segment, and now and then a pack long enough for the schedules only long
 launches take (bulk-copy forward, interleaved backward rows, many rows per stream CTA). Every
 case runs on the default planner, under its family's contract per direction (``check_pack``),
-and its backward again atomically and without grad_ape (``check_backward_variants``).
+its backward again atomically and without grad_ape (``check_backward_variants``), and both
+directions through ``csa_compress``, which must carry the kernel launches' bits.
 A case is a pure function of its seed, so a failure reruns alone with ``-k "seed17-"``;
 ``CSA_FRONTEND_FUZZ_SEEDS=48-447`` runs a deeper campaign (``packs.fuzz_seeds``).
 """
@@ -15,11 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csa_frontend import csa_compress
 from csa_frontend.compressor.kernels.schedule import choose_schedule
 
-from .packs import draw_fuzz_case, fuzz_seeds, offsets, random_inputs
-from .test_fused_kernels import check_pack, run_backward, run_forward
+from .packs import draw_fuzz_case, fuzz_seeds
+from .test_fused_kernels import check_pack
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,24 +40,3 @@ def test_fuzz(seed):
                fwd_exact=choose_schedule(ratio, coff, head_dim, "fwd").family == "window",
                bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window", variants=True)
 
-
-@pytest.mark.L1
-@pytest.mark.parametrize("seed", fuzz_seeds(), ids=case_id)
-def test_fuzz_through_csa_compress(seed):
-    """The same draws through the public autograd op, which validates, sizes ``out`` from
-    ``total_comp`` and allocates the gradients itself: its forward and gradients carry the bits
-    of the kernel launches ``test_fuzz`` checks against the reference."""
-    ratio, coff, head_dim, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cu, comp = offsets(lengths, ratio)
-    kv, score, ape = random_inputs(int(cu[-1]) + extra_tokens, ratio, coff, head_dim, generator=g)
-    total = int(comp[-1]) + pad_rows
-    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
-    want_out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
-    want = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
-    leaves = [t.clone().requires_grad_() for t in (kv, score, ape)]
-    out = csa_compress(*leaves, cu, comp, ratio=ratio, coff=coff, total_comp=total)
-    out.backward(grad_out)
-    assert torch.equal(out.detach(), want_out)
-    for name, leaf, w in zip(("kv", "score", "ape"), leaves, want):
-        assert torch.equal(leaf.grad, w), f"grad of {name}: {(leaf.grad != w).sum().item()} elements differ"
