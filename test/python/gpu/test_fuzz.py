@@ -39,4 +39,3 @@ def test_fuzz(seed):
     check_pack(ratio, coff, head_dim, lengths, pad_rows=pad_rows, seed=seed, extra_tokens=extra_tokens,
                fwd_exact=choose_schedule(ratio, coff, head_dim, "fwd").family == "window",
                bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window", variants=True)
-
