@@ -535,6 +535,16 @@ def test_stream_odd_and_wide(ratio, coff, head_dim):
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (12, 2, 66), (9, 2, 3), (32, 1, 128), (20, 1, 4096)])
+def test_online_forward(ratio, coff, head_dim):
+    """Stream windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions: the online forward (one
+    thread per row and column slice, chunked online softmax), on packs long enough to pass the
+    serial forward's limit, with odd and wide head dims, under the stream contract."""
+    assert choose_schedule(ratio, coff, head_dim, "fwd").online
+    check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) + [700 * ratio + 3], seed=ratio)
+
+
+@pytest.mark.L1
 def test_stream_deterministic():
     ratio, coff, d = 128, 2, 256
     cu, comp = offsets([8192, 3000], ratio)

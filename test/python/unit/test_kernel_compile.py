@@ -293,7 +293,7 @@ def test_lean_serial_forward_compiles(ratio, coff, head_dim, arch, monkeypatch, 
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim,direction", [(4, 2, 512, "bwd"), (4, 1, 128, "bwd"),
-                                                           (128, 1, 128, "bwd"), (16, 2, 256, "fwd")])
+                                                           (128, 1, 128, "bwd"), (128, 1, 128, "fwd")])
 def test_first_row_lands_before_the_second_is_requested(ratio, coff, head_dim, direction, monkeypatch, tmp_path):
     """The pipelined kernels (register-window backward, stream forward and backward) wait for
     their whole first row (``cp.async.wait_group 0``) before the row loop requests the next one;
@@ -350,12 +350,14 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim,direction,knob", [(4, 2, 128, "fwd", "fwd"), (4, 2, 512, "bwd", "bwd"),
-                                                                (16, 2, 256, "fwd", "stream_fwd"),
+                                                                (128, 1, 128, "fwd", "stream_fwd"),
+                                                                (16, 2, 256, "fwd", "fwd"),
                                                                 (128, 1, 128, "bwd", "stream_bwd")])
 def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, knob, monkeypatch, tmp_path):
     """``LOOKUP_ONE_ROUND`` (per direction and family; one load per lane here) hands out the
     segment's offsets by lane-indexed shuffles (``shfl.sync.idx``, at least first token and
-    first row) that the search does not emit; the planned default follows the knob's."""
+    first row) that the search does not emit; the planned default follows the knob's. The
+    online stream forward (r16 c2 here) looks rows up per warp, as the register window: "fwd"."""
     from csa_frontend.compressor.kernels import schedule
 
     def shuffles(loads):
@@ -370,13 +372,14 @@ def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, knob, 
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (33, 2, 130)])
+@pytest.mark.parametrize("direction,ratio,coff,head_dim", [("fwd", 128, 1, 128), ("fwd", 33, 2, 130), ("bwd", 16, 2, 256),
+                                                            ("bwd", 128, 1, 128), ("bwd", 33, 2, 130)])
 def test_stream_kernels_request_a_guessed_first_row_before_the_lookup(direction, ratio, coff, head_dim, monkeypatch,
                                                                       tmp_path):
     """``STREAM_FWD_GUESS`` and ``STREAM_BWD_GUESS`` (both default on): the stream
     kernel's first copies go out ahead of its row lookup's ballot (the one-round lookup,
-    ``LOOKUP_ONE_ROUND``); without the guess every copy waits for the lookup."""
+    ``LOOKUP_ONE_ROUND``); without the guess every copy waits for the lookup. (The online
+    forward of short windows stages nothing: ``test_online_forward_stages_nothing``.)"""
     from csa_frontend.compressor.kernels import schedule, stream_bwd, stream_fwd
     module, knob = (stream_fwd, "STREAM_FWD_GUESS") if direction == "fwd" else (stream_bwd, "STREAM_BWD_GUESS")
 
@@ -457,3 +460,18 @@ def test_stream_backward_adds_atomic_ape_partials_as_vectors_from_sm90(ratio, co
         assert len(vector) == sched.chunk and not scalar, (vector, scalar)
     else:
         assert not vector and len(scalar) == sched.chunk * sched.vec, (vector, scalar)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (32, 1, 66), (9, 2, 3)])
+def test_online_forward_stages_nothing(ratio, coff, head_dim, monkeypatch, tmp_path):
+    """The online stream forward (windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions)
+    reads straight from global memory and keeps its softmax partials in registers: no copies
+    into shared memory, no shared memory at all, no barrier; kv and score loads are the window's
+    valid halves' positions, each a load of its own."""
+    sched = choose_schedule(ratio, coff, head_dim, "fwd")
+    assert sched.family == "stream" and sched.online
+    ptx = planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch, tmp_path)
+    assert "cp.async" not in ptx and "bar.sync" not in ptx and "barrier.sync" not in ptx
+    assert not re.search(r"\.shared", ptx)
+    assert "ex2.approx" in ptx

@@ -924,3 +924,21 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
             assert (fn, args) == ("serial", inputs + (out,))
         else:
             assert fn != "serial" and (fn, args) == with_serial_off
+
+
+@pytest.mark.L0
+def test_online_forward_serves_short_stream_windows(monkeypatch):
+    """The stream forward walks windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions per
+    thread (``online``, in chunks of ``STREAM_FWD_ONLINE_CHUNK``); longer windows, the backward
+    and the register-window family keep theirs; 0 turns it off."""
+    for ratio in range(1, 257):
+        for coff in (1, 2):
+            for head_dim in (3, 64, 130, 512):
+                for direction in ("fwd", "bwd"):
+                    s = sch.choose_schedule(ratio, coff, head_dim, direction)
+                    short = coff * ratio <= sch.STREAM_FWD_ONLINE_WINDOW
+                    want = sch.STREAM_FWD_ONLINE_CHUNK if s.family == "stream" and direction == "fwd" and short else 0
+                    assert s.online == want, (ratio, coff, head_dim, direction, s)
+    assert sch.choose_schedule(16, 2, 256, "fwd").online
+    monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_WINDOW", 0)
+    assert not sch._stream_schedule(16, 2, 256, 4, "fwd").online

@@ -177,6 +177,7 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
+    from .online_fwd import OnlineForward
     from .serial_fwd import SerialForward
     from .stream_fwd import StreamForward
     from .window_fwd import WindowForward
@@ -195,7 +196,8 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
         return fn, sched, 0
     one = cutlass.Int32(1)
-    fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
+    family = OnlineForward if sched.online else StreamForward
+    fn, per_sm = _compile_resident(family(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
                                    *args, one, one, stream, arch=arch)
     return fn, sched, per_sm
 

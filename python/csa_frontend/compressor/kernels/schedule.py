@@ -166,6 +166,7 @@ class Schedule:
     col_tiles: int  # CTAs across head_dim
     chunk: int = 0  # stream family: window positions per thread
     stages: int = 0  # window forward: bulk-copy pipeline stages (``bulk_forward_schedule``); 0: none
+    online: int = 0  # stream forward walked per thread (``online_fwd``), in chunks of this many positions
 
     @property
     def threads(self) -> int:
@@ -466,6 +467,22 @@ def _floor_pow2(n: int) -> int:
 STREAM_MAX_VEC = _per_direction({"fwd": 4, "bwd": 4}, "CSA_FRONTEND_STREAM_MAX_VEC")
 
 
+#: Stream forwards of windows of at most this many positions (``coff * ratio``) run the online
+#: forward (``online_fwd``: a thread per output row and column slice walks the whole window in
+#: chunks of ``STREAM_FWD_ONLINE_CHUNK`` positions, an online softmax, no shared memory or
+#: barriers) instead of the CTA-per-rows pipeline. Measured on the H200 (session 46, two
+#: alternating rounds, fwd us pipeline / online at chunk 4): 4x8192 r16 c2 d256 19.9, 19.9 /
+#: 19.3, 19.5; 1x65536 r16 c2 d256 37.4, 37.1 / 35.9, 36.1; 16x8192 r16 c2 d256 70.0, 70.4 /
+#: 67.1, 67.3. Longer windows lose or tie: 1x65536 r32 c2 d128 19.3, 19.3 / 21.3, 21.3, 1x65536
+#: r64 c1 d512 35.8, 36.0 / 35.5, 35.7; at chunk 8 (74-87 registers) every one lost. 0 turns it
+#: off. Tuning knobs, CSA_FRONTEND_STREAM_FWD_ONLINE and CSA_FRONTEND_STREAM_FWD_ONLINE_CHUNK.
+STREAM_FWD_ONLINE_WINDOW = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE", "32"))
+STREAM_FWD_ONLINE_CHUNK = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_CHUNK", "4"))
+#: Online forward: threads per CTA, whatever the stream schedule's own width (128 measured the
+#: same on the r16 rows above).
+STREAM_FWD_ONLINE_THREADS = 256
+
+
 def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str,
                      threads: int = 0) -> Schedule:
     vec = min(vec, STREAM_MAX_VEC[direction])
@@ -482,7 +499,8 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     per_warp = chunks_per_warp(col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
-    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
+    online = STREAM_FWD_ONLINE_CHUNK if direction == "fwd" and coff * ratio <= STREAM_FWD_ONLINE_WINDOW else 0
+    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, online=online)
 
 
 #: Row-count bucket of the stream backward: launches whose CTAs walk at most this many rows

@@ -1,0 +1,156 @@
+"""Online stream forward: one thread pools one output row for ``vec`` columns, walking the
+window in chunks.
+
+For stream-family windows short enough (``STREAM_FWD_ONLINE_WINDOW``) that one thread can walk
+them whole. The thread reads each chunk of ``online`` positions straight from global memory
+(kv and score from DRAM, ape from L1), takes the chunk's max, and folds ``sum e`` and ``sum kv
+e`` into its running partials, rescaled by ``exp(m_old - m_new)`` only where the max moved.
+No shared memory, no barriers and no per-CTA pipeline: latency is hidden by resident warps, as
+in a copy, where the CTA-per-rows pipeline (``stream_fwd``) waits on its staging and on one
+barrier per row. Each half of a coff-2 window is one run of consecutive tokens of one column
+slice (one validity test, one base address; positions are compile-time offsets).
+
+Results differ from the reference by re-association and the MUFU exponentials only: the
+stream family's tolerance contract (docs/csa_compressor.md), bitwise reproducible.
+
+Grid: x over groups of output rows, y over column tiles, as the register-window forward.
+Padding rows (``row >= cu_seqlens_comp[-1]``) pool segment 0's first block.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .common import (HALF_LOG2E, PoolingKernel, block_start, enter_grid, exp2_half_squared, fma_rn, row_start,
+                     safe_max, widen_bf16)
+from .schedule import LOOKUP_ONE_ROUND, STREAM_FWD_ONLINE_THREADS
+
+
+def online_layout(n_vec: int, threads: int):
+    """(column threads per row, rows per CTA, column tiles): a power of two of column threads
+    covering ``n_vec`` slices (at most the CTA), the rest of the CTA over rows."""
+    ct = 1
+    while ct < min(n_vec, threads):
+        ct *= 2
+    return ct, threads // ct, -(-n_vec // ct)
+
+
+class OnlineForward(PoolingKernel):
+    family = "stream"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert self.sched.online > 0
+        self.col_threads, self.rows, self.col_tiles = online_layout(self.n_vec, STREAM_FWD_ONLINE_THREADS)
+        # a warp shares its row where whole warps fit across the columns: the lookup may vote
+        self.warp_rows = self.col_threads % 32 == 0
+
+    def lookup(self) -> int:
+        if self.lookup_loads is not None:
+            return self.lookup_loads
+        return LOOKUP_ONE_ROUND["fwd"] if self.warp_rows else 0
+
+    @cute.jit
+    def __call__(
+        self,
+        mKV: cute.Tensor,  # (T, coff*d) bf16
+        mS: cute.Tensor,  # (T, coff*d) bf16
+        mApe: cute.Tensor,  # (ratio, coff*d) fp32
+        mCu: cute.Tensor,  # (B+1,) int32
+        mCuC: cute.Tensor,  # (B+1,) int32
+        mOut: cute.Tensor,  # (total_comp, d) bf16
+        rows_per_cta: Int32,  # the pipelined stream forward's launch arguments, unused here
+        interleaved: Int32,
+        stream,
+    ):
+        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
+            grid=((mOut.shape[0] + self.rows - 1) // self.rows, self.col_tiles, 1),
+            block=(STREAM_FWD_ONLINE_THREADS, 1, 1),
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
+        enter_grid(self.pdl)
+        vec, n_vec, ratio, coff = self.vec, self.n_vec, self.ratio, self.coff
+        ct = self.col_threads
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        cv = by * ct + tidx % ct
+        row = bx * self.rows + tidx // ct
+        n_seg = mCu.shape[0] - 1
+        if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
+            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.lookup())
+            if cv < n_vec:
+                own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
+                rM = cute.make_rmem_tensor((vec,), Float32)
+                rD = cute.make_rmem_tensor((vec,), Float32)
+                rA = cute.make_rmem_tensor((vec,), Float32)
+                rM.fill(-Float32.inf)
+                rD.fill(0.0)
+                rA.fill(0.0)
+                if cutlass.const_expr(coff == 2):
+                    # previous block, first-half columns (invalid for a segment's first block)
+                    if has_prev:
+                        online_run(mKV, mS, mApe, rM, rD, rA, own0 - ratio, cv, ratio, self.sched.online, vec, True)
+                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv + n_vec, ratio, self.sched.online, vec, False)
+                else:
+                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv, ratio, self.sched.online, vec, True)
+                rO = cute.make_rmem_tensor((vec,), Float32)
+                for v in cutlass.range_constexpr(vec):
+                    rO[v] = rA[v] / rD[v]
+                gO = cute.zipped_divide(mOut, (1, vec))
+                gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+
+
+@cute.jit
+def rescale_factor(m_old: Float32, m_new: Float32, ms_scaled: Float32) -> Float32:
+    """``exp(m_old - m_new)`` (``ms_scaled``: ``safe_max(m_new) * log2(e) / 2``), exactly 1 where
+    the max did not move and 0 from an empty start (``m_old = -inf``)."""
+    return Float32(cutlass.select_(m_old == m_new, Float32(1.0),
+                                   exp2_half_squared(fma_rn(m_old, Float32(HALF_LOG2E), -ms_scaled))))
+
+
+@cute.jit
+def online_run(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, rM: cute.Tensor, rD: cute.Tensor,
+               rA: cute.Tensor, tok: Int32, colt: Int32, run: cutlass.Constexpr, chunk: cutlass.Constexpr,
+               vec: cutlass.Constexpr, first: cutlass.Constexpr):
+    """Fold ``run`` window positions, tokens ``tok + i`` with ape rows ``i``, column slice
+    ``colt``, into the running partials ``(rM, rD, rA)`` = (max, sum e, sum kv e), ``chunk``
+    positions at a time. ``first``: the partials are still empty (no rescaling needed)."""
+    gKV = cute.zipped_divide(cute.domain_offset((tok, 0), mKV), (1, vec))
+    gS = cute.zipped_divide(cute.domain_offset((tok, 0), mS), (1, vec))
+    gA = cute.zipped_divide(mApe, (1, vec))
+    for c0 in cutlass.range_constexpr(0, run, chunk):
+        n = min(chunk, run - c0)
+        rS = cute.make_rmem_tensor((chunk, vec), Float32)
+        rX = cute.make_rmem_tensor((chunk, vec), Float32)
+        for i in cutlass.range_constexpr(n):
+            kvv = widen_bf16(gKV[(0, None), (c0 + i, colt)].load(), vec)
+            scv = widen_bf16(gS[(0, None), (c0 + i, colt)].load(), vec)
+            apv = gA[(0, None), (c0 + i, colt)].load()
+            for v in cutlass.range_constexpr(vec):
+                rS[i, v] = scv[v] + apv[v]
+                rX[i, v] = kvv[v]
+        for v in cutlass.range_constexpr(vec):
+            mc = rS[0, v]
+            for i in cutlass.range_constexpr(1, n):
+                mc = cute.arch.fmax(mc, rS[i, v])
+            m_new = cute.arch.fmax(rM[v], mc)
+            ms_scaled = safe_max(m_new) * Float32(HALF_LOG2E)
+            d = Float32(0.0)
+            a = Float32(0.0)
+            for i in cutlass.range_constexpr(n):
+                e = exp2_half_squared(fma_rn(rS[i, v], Float32(HALF_LOG2E), -ms_scaled))
+                d = d + e
+                a = a + rX[i, v] * e
+            if cutlass.const_expr(first and c0 == 0):
+                rD[v] = d
+                rA[v] = a
+            else:
+                f = rescale_factor(rM[v], m_new, ms_scaled)
+                rD[v] = rD[v] * f + d
+                rA[v] = rA[v] * f + a
+            rM[v] = m_new
