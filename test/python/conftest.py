@@ -43,3 +43,20 @@ def _isolated_state(monkeypatch):
 def csa_log(caplog):
     caplog.set_level(logging.DEBUG, logger="csa_frontend")
     return caplog
+
+
+@pytest.fixture
+def online_forward(monkeypatch):
+    """The online stream forward on at its measured window limit (it is off by default until
+    the GPU suite has run with it); planner and compile caches are emptied before and after,
+    so neither side sees the other's schedules."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+
+    def forget():
+        schedule.choose_schedule.cache_clear()
+        dispatch.clear_cache()
+
+    forget()
+    monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_WINDOW", schedule.STREAM_FWD_ONLINE_MEASURED_WINDOW)
+    yield
+    forget()

@@ -536,7 +536,7 @@ def test_stream_odd_and_wide(ratio, coff, head_dim):
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (12, 2, 66), (9, 2, 3), (32, 1, 128), (20, 1, 4096)])
-def test_online_forward(ratio, coff, head_dim):
+def test_online_forward(online_forward, ratio, coff, head_dim):
     """Stream windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions: the online forward (one
     thread per row and column slice, chunked online softmax), on packs long enough to pass the
     serial forward's limit, with odd and wide head dims, under the stream contract."""

@@ -351,13 +351,12 @@ def test_segment_search_does_not_wait_for_the_padding_test(ratio, coff, head_dim
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim,direction,knob", [(4, 2, 128, "fwd", "fwd"), (4, 2, 512, "bwd", "bwd"),
                                                                 (128, 1, 128, "fwd", "stream_fwd"),
-                                                                (16, 2, 256, "fwd", "fwd"),
                                                                 (128, 1, 128, "bwd", "stream_bwd")])
 def test_one_round_lookup_only_when_set(ratio, coff, head_dim, direction, knob, monkeypatch, tmp_path):
     """``LOOKUP_ONE_ROUND`` (per direction and family; one load per lane here) hands out the
     segment's offsets by lane-indexed shuffles (``shfl.sync.idx``, at least first token and
-    first row) that the search does not emit; the planned default follows the knob's. The
-    online stream forward (r16 c2 here) looks rows up per warp, as the register window: "fwd"."""
+    first row) that the search does not emit; the planned default follows the knob's. (The
+    online stream forward looks rows up per warp under "fwd": ``test_online_forward_stages_nothing``.)"""
     from csa_frontend.compressor.kernels import schedule
 
     def shuffles(loads):
@@ -464,14 +463,24 @@ def test_stream_backward_adds_atomic_ape_partials_as_vectors_from_sm90(ratio, co
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (32, 1, 66), (9, 2, 3)])
-def test_online_forward_stages_nothing(ratio, coff, head_dim, monkeypatch, tmp_path):
+def test_online_forward_stages_nothing(online_forward, ratio, coff, head_dim, monkeypatch, tmp_path):
     """The online stream forward (windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions)
     reads straight from global memory and keeps its softmax partials in registers: no copies
-    into shared memory, no shared memory at all, no barrier; kv and score loads are the window's
-    valid halves' positions, each a load of its own."""
+    into shared memory, no shared memory at all, no barrier. As every kernel, it waits for the
+    previous grid before its first global access, and with whole warps across the columns its
+    row lookup takes the forward's one round (``LOOKUP_ONE_ROUND["fwd"]``, lane shuffles)."""
+    from csa_frontend.compressor.kernels import schedule
+
     sched = choose_schedule(ratio, coff, head_dim, "fwd")
     assert sched.family == "stream" and sched.online
     ptx = planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch, tmp_path)
     assert "cp.async" not in ptx and "bar.sync" not in ptx and "barrier.sync" not in ptx
     assert not re.search(r"\.shared", ptx)
     assert "ex2.approx" in ptx
+    if dispatch.PDL:
+        assert ptx.index("griddepcontrol.wait") < FIRST_GLOBAL_ACCESS.search(ptx).start()
+    if head_dim // sched.vec >= 32:
+        searched = len(re.findall(r"shfl\.sync\.idx", ptx))
+        monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "fwd", 0)
+        assert len(re.findall(r"shfl\.sync\.idx", planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch,
+                                                                       tmp_path))) + 2 <= searched

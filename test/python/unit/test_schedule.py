@@ -1,6 +1,7 @@
 """The launch planner (pure Python): families, vector widths, CTA shapes and per-call choices
 at every bucket boundary. None of it may depend on the GPU's SM count."""
 import inspect
+import os
 
 import pytest
 
@@ -927,10 +928,11 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
 
 
 @pytest.mark.L0
-def test_online_forward_serves_short_stream_windows(monkeypatch):
-    """The stream forward walks windows of at most ``STREAM_FWD_ONLINE_WINDOW`` positions per
-    thread (``online``, in chunks of ``STREAM_FWD_ONLINE_CHUNK``); longer windows, the backward
-    and the register-window family keep theirs; 0 turns it off."""
+def test_online_forward_serves_short_stream_windows(online_forward, monkeypatch):
+    """With the online forward on, the stream forward walks windows of at most
+    ``STREAM_FWD_ONLINE_WINDOW`` positions per thread (``online``, in chunks of
+    ``STREAM_FWD_ONLINE_CHUNK``); longer windows, the backward and the register-window family
+    keep theirs; 0 (the default until its GPU run) turns it off."""
     for ratio in range(1, 257):
         for coff in (1, 2):
             for head_dim in (3, 64, 130, 512):
@@ -942,3 +944,13 @@ def test_online_forward_serves_short_stream_windows(monkeypatch):
     assert sch.choose_schedule(16, 2, 256, "fwd").online
     monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_WINDOW", 0)
     assert not sch._stream_schedule(16, 2, 256, 4, "fwd").online
+
+
+@pytest.mark.L0
+def test_online_forward_is_off_by_default():
+    """No planned schedule takes the online forward unless asked (``CSA_FRONTEND_STREAM_FWD_ONLINE``):
+    it has not run the GPU suite yet."""
+    if "CSA_FRONTEND_STREAM_FWD_ONLINE" in os.environ:
+        pytest.skip("set by the environment")
+    sch.choose_schedule.cache_clear()
+    assert not any(sch.choose_schedule(ratio, coff, 256, "fwd").online for ratio in range(1, 257) for coff in (1, 2))
