@@ -56,7 +56,7 @@ def compile_all(ratio, coff, head_dim, arch):
     assert serial is not None and ("fwd", arch, ratio, coff, head_dim, serial) in dispatch.cache_keys()
     # and the stream forward of one-segment packs (its lookup by the search)
     one_segment = ("fwd_one_segment", arch, ratio, coff, head_dim, fwd_sched) in dispatch.cache_keys()
-    assert one_segment == (fwd_sched.family == "stream" and LOOKUP_ONE_ROUND["stream_fwd"] > 0)
+    assert one_segment == (fwd_sched.family == "stream" and not fwd_sched.online and LOOKUP_ONE_ROUND["stream_fwd"] > 0)
 
 
 @pytest.mark.L0
@@ -84,6 +84,15 @@ def test_compiles_sm90a_smoke():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ratio,coff,head_dim", CONFIGS)
 def test_compiles(ratio, coff, head_dim, arch):
+    compile_all(ratio, coff, head_dim, arch)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (9, 2, 3), (32, 1, 4096)])
+def test_compiles_with_the_online_forward(online_forward, ratio, coff, head_dim, arch):
+    """The opt-in online stream forward, where it would serve, compiles with the rest."""
+    assert choose_schedule(ratio, coff, head_dim, "fwd").online
     compile_all(ratio, coff, head_dim, arch)
 
 

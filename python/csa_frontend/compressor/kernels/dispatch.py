@@ -191,13 +191,14 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         fn = cute.compile(WindowForwardBulk(ratio, coff, head_dim, sched, pdl=pdl), *args, cutlass.Int32(1),
                           stream, options=_options(arch))
         return fn, sched, 0
-    if sched.family in ("window", "serial"):
-        family = WindowForward if sched.family == "window" else SerialForward
-        fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl), *args, stream, options=_options(arch))
+    if sched.family in ("window", "serial") or sched.online:
+        # launched by output rows alone (the online stream forward sizes no resident grid)
+        family = {"window": WindowForward, "serial": SerialForward}.get(sched.family, OnlineForward)
+        fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads), *args, stream,
+                          options=_options(arch))
         return fn, sched, 0
     one = cutlass.Int32(1)
-    family = OnlineForward if sched.online else StreamForward
-    fn, per_sm = _compile_resident(family(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
+    fn, per_sm = _compile_resident(StreamForward(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads),
                                    *args, one, one, stream, arch=arch)
     return fn, sched, per_sm
 
@@ -254,12 +255,12 @@ def compile_forward(*, ratio: int, coff: int, head_dim: int, arch: Optional[str]
 
 def compile_forward_one_segment(*, ratio: int, coff: int, head_dim: int, arch: Optional[str] = None):
     """(compiled stream forward for packs of one segment, schedule, CTAs per SM), or None where
-    the default forward serves them too (window family; stream lookups by the search). A
+    the default forward serves them too (window family, online stream forward; stream lookups by the search). A
     one-segment pack's rows need no lookup round, and the one-round lookup's code alone (2-6
     more registers) cost those forwards up to 0.4 us on the H200 (NOTES row 117), so they keep
     the search."""
     sched = choose_schedule(ratio, coff, head_dim, "fwd")
-    if sched.family != "stream" or not LOOKUP_ONE_ROUND["stream_fwd"]:
+    if sched.family != "stream" or sched.online or not LOOKUP_ONE_ROUND["stream_fwd"]:
         return None
     key = ("fwd_one_segment", arch, ratio, coff, head_dim, sched)
     return _compiled(key, lambda: _build_forward(ratio, coff, head_dim, sched, arch, lookup_loads=0))
@@ -429,7 +430,7 @@ def forward_call(fn, sched, per_sm, bulk, serial, sms, one_segment, kv, score, a
     per_cta = 0 if bulk is None else bulk_forward_walk(rows, bulk[1])
     if per_cta:
         return bulk[0], args + (per_cta,)
-    if sched.family == "stream":
+    if sched.family == "stream" and not sched.online:
         if one_segment is not None and cu_seqlens.shape[0] == 2:
             fn, _, per_sm = one_segment
         rpc = fwd_rows_per_cta(rows, sched, per_sm, sms)

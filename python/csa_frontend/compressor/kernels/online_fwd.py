@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (HALF_LOG2E, PoolingKernel, block_start, enter_grid, exp2_half_squared, fma_rn, row_start,
+from .common import (HALF_LOG2E, RowsForward, block_start, enter_grid, exp2_half_squared, fma_rn, row_start,
                      safe_max, widen_bf16)
 from .schedule import LOOKUP_ONE_ROUND, STREAM_FWD_ONLINE_THREADS
 
@@ -36,40 +36,29 @@ def online_layout(n_vec: int, threads: int):
     return ct, threads // ct, -(-n_vec // ct)
 
 
-class OnlineForward(PoolingKernel):
+class OnlineForward(RowsForward):
     family = "stream"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         assert self.sched.online > 0
-        self.col_threads, self.rows, self.col_tiles = online_layout(self.n_vec, STREAM_FWD_ONLINE_THREADS)
+        self.col_threads, self.rows, self.tiles = online_layout(self.n_vec, STREAM_FWD_ONLINE_THREADS)
         # a warp shares its row where whole warps fit across the columns: the lookup may vote
         self.warp_rows = self.col_threads % 32 == 0
+
+    def cta_rows(self) -> int:
+        return self.rows
+
+    def cta_threads(self) -> int:
+        return STREAM_FWD_ONLINE_THREADS
+
+    def col_tiles(self) -> int:
+        return self.tiles
 
     def lookup(self) -> int:
         if self.lookup_loads is not None:
             return self.lookup_loads
         return LOOKUP_ONE_ROUND["fwd"] if self.warp_rows else 0
-
-    @cute.jit
-    def __call__(
-        self,
-        mKV: cute.Tensor,  # (T, coff*d) bf16
-        mS: cute.Tensor,  # (T, coff*d) bf16
-        mApe: cute.Tensor,  # (ratio, coff*d) fp32
-        mCu: cute.Tensor,  # (B+1,) int32
-        mCuC: cute.Tensor,  # (B+1,) int32
-        mOut: cute.Tensor,  # (total_comp, d) bf16
-        rows_per_cta: Int32,  # the pipelined stream forward's launch arguments, unused here
-        interleaved: Int32,
-        stream,
-    ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
-            grid=((mOut.shape[0] + self.rows - 1) // self.rows, self.col_tiles, 1),
-            block=(STREAM_FWD_ONLINE_THREADS, 1, 1),
-            stream=stream,
-            use_pdl=self.pdl,
-        )
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
