@@ -275,11 +275,12 @@ class PoolingKernel:
 
     def one_round_loads(self, direction: str) -> int:
         """The widest one-round row lookup (``tiered_offsets``) this kernel takes, 0 for the
-        search (``LOOKUP_ONE_ROUND``). Only where a whole warp shares its row: window kernels
-        with ``warp_rows``, stream kernels (CTA-wide rows); ``lookup_loads`` where given."""
+        search (``LOOKUP_ONE_ROUND``). Only where a whole warp shares its row: kernels with
+        ``warp_rows`` (the direction's round), stream kernels (CTA-wide rows); ``lookup_loads``
+        where given."""
         if self.lookup_loads is not None:
             return self.lookup_loads
-        if self.family == "window" and self.warp_rows:
+        if self.warp_rows:
             return LOOKUP_ONE_ROUND[direction]
         if self.family == "stream":
             return LOOKUP_ONE_ROUND[f"stream_{direction}"]

@@ -10,8 +10,9 @@ in a copy, where the CTA-per-rows pipeline (``stream_fwd``) waits on its staging
 barrier per row. Each half of a coff-2 window is one run of consecutive tokens of one column
 slice (one validity test, one base address; positions are compile-time offsets).
 
-Results differ from the reference by re-association and the MUFU exponentials only: the
-stream family's tolerance contract (docs/csa_compressor.md), bitwise reproducible.
+Exponentials as the pipelined stream forward's (``exp_shifted``, ``STREAM_FAST_EXP``); results
+differ from the reference by re-association and those exponentials only: the stream family's
+tolerance contract (docs/csa_compressor.md), bitwise reproducible.
 
 Grid: x over groups of output rows, y over column tiles, as the register-window forward.
 Padding rows (``row >= cu_seqlens_comp[-1]``) pool segment 0's first block.
@@ -22,9 +23,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import (HALF_LOG2E, RowsForward, block_start, enter_grid, exp2_half_squared, fma_rn, row_start,
-                     safe_max, widen_bf16)
-from .schedule import LOOKUP_ONE_ROUND, STREAM_FWD_ONLINE_THREADS
+from .common import RowsForward, block_start, enter_grid, kv_and_score, row_start
+from .schedule import STREAM_FAST_EXP, STREAM_FWD_ONLINE_THREADS
+from .stream_fwd import relative_sums, rescale_factor
 
 
 def online_layout(n_vec: int, threads: int):
@@ -46,6 +47,11 @@ class OnlineForward(RowsForward):
         # a warp shares its row where whole warps fit across the columns: the lookup may vote
         self.warp_rows = self.col_threads % 32 == 0
 
+    def one_round_loads(self, direction: str) -> int:
+        """The direction's round where a warp shares its row; the search where rows split warps
+        (not the stream family's CTA-wide rows)."""
+        return super().one_round_loads(direction) if self.warp_rows or self.lookup_loads is not None else 0
+
     def cta_rows(self) -> int:
         return self.rows
 
@@ -54,11 +60,6 @@ class OnlineForward(RowsForward):
 
     def col_tiles(self) -> int:
         return self.tiles
-
-    def lookup(self) -> int:
-        if self.lookup_loads is not None:
-            return self.lookup_loads
-        return LOOKUP_ONE_ROUND["fwd"] if self.warp_rows else 0
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
@@ -71,7 +72,7 @@ class OnlineForward(RowsForward):
         row = bx * self.rows + tidx // ct
         n_seg = mCu.shape[0] - 1
         if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
-            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.lookup())
+            t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
             if cv < n_vec:
                 own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
                 rM = cute.make_rmem_tensor((vec,), Float32)
@@ -95,14 +96,6 @@ class OnlineForward(RowsForward):
 
 
 @cute.jit
-def rescale_factor(m_old: Float32, m_new: Float32, ms_scaled: Float32) -> Float32:
-    """``exp(m_old - m_new)`` (``ms_scaled``: ``safe_max(m_new) * log2(e) / 2``), exactly 1 where
-    the max did not move and 0 from an empty start (``m_old = -inf``)."""
-    return Float32(cutlass.select_(m_old == m_new, Float32(1.0),
-                                   exp2_half_squared(fma_rn(m_old, Float32(HALF_LOG2E), -ms_scaled))))
-
-
-@cute.jit
 def online_run(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, rM: cute.Tensor, rD: cute.Tensor,
                rA: cute.Tensor, tok: Int32, colt: Int32, run: cutlass.Constexpr, chunk: cutlass.Constexpr,
                vec: cutlass.Constexpr, first: cutlass.Constexpr):
@@ -117,8 +110,7 @@ def online_run(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, rM: cute.Te
         rS = cute.make_rmem_tensor((chunk, vec), Float32)
         rX = cute.make_rmem_tensor((chunk, vec), Float32)
         for i in cutlass.range_constexpr(n):
-            kvv = widen_bf16(gKV[(0, None), (c0 + i, colt)].load(), vec)
-            scv = widen_bf16(gS[(0, None), (c0 + i, colt)].load(), vec)
+            kvv, scv = kv_and_score(gKV, gS, None, 0, 0, c0 + i, colt, vec)
             apv = gA[(0, None), (c0 + i, colt)].load()
             for v in cutlass.range_constexpr(vec):
                 rS[i, v] = scv[v] + apv[v]
@@ -128,18 +120,12 @@ def online_run(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, rM: cute.Te
             for i in cutlass.range_constexpr(1, n):
                 mc = cute.arch.fmax(mc, rS[i, v])
             m_new = cute.arch.fmax(rM[v], mc)
-            ms_scaled = safe_max(m_new) * Float32(HALF_LOG2E)
-            d = Float32(0.0)
-            a = Float32(0.0)
-            for i in cutlass.range_constexpr(n):
-                e = exp2_half_squared(fma_rn(rS[i, v], Float32(HALF_LOG2E), -ms_scaled))
-                d = d + e
-                a = a + rX[i, v] * e
+            d, a, ms_scaled = relative_sums(rS, rX, v, n, m_new, STREAM_FAST_EXP)
             if cutlass.const_expr(first and c0 == 0):
                 rD[v] = d
                 rA[v] = a
             else:
-                f = rescale_factor(rM[v], m_new, ms_scaled)
+                f = rescale_factor(rM[v], m_new, ms_scaled, STREAM_FAST_EXP)
                 rD[v] = rD[v] * f + d
                 rA[v] = rA[v] * f + a
             rM[v] = m_new

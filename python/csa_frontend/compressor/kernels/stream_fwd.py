@@ -47,6 +47,30 @@ def exp_shifted(s: Float32, m: Float32, m_scaled: Float32, fast: cutlass.Constex
 
 
 @cute.jit
+def relative_sums(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, n: cutlass.Constexpr, m: Float32,
+                  fast: cutlass.Constexpr):
+    """(``sum e``, ``sum kv e``, the max's ``top_scaled``) of column ``v`` over positions ``[0, n)``
+    of ``rS`` (scores) and ``rX`` (kv), with ``e = exp(s - m)`` (``m`` through ``safe_max``),
+    added in position order."""
+    ms = safe_max(m)
+    ms_scaled = ms * Float32(HALF_LOG2E)
+    d = Float32(0.0)
+    a = Float32(0.0)
+    for i in cutlass.range_constexpr(n):
+        e = exp_shifted(rS[i, v], ms, ms_scaled, fast)
+        d = d + e
+        a = a + rX[i, v] * e
+    return d, a, ms_scaled
+
+
+@cute.jit
+def rescale_factor(m: Float32, top: Float32, top_scaled: Float32, fast: cutlass.Constexpr) -> Float32:
+    """``exp(m - top)`` (``top_scaled`` as for ``exp_shifted``) for rescaling softmax partials
+    taken relative to ``m`` to a max ``top``: exactly 1 where ``m`` is that max."""
+    return Float32(cutlass.select_(m == top, Float32(1.0), exp_shifted(m, top, top_scaled, fast)))
+
+
+@cute.jit
 def merge_groups(sM: cute.Tensor, sD: cute.Tensor, sA: cute.Tensor, par: Int32, j: Int32,
                  groups: cutlass.Constexpr, fast: cutlass.Constexpr):
     """``a / d`` of column ``j`` from the warp groups' softmax partials ``(max, sum exp(s - max),
@@ -64,7 +88,7 @@ def merge_groups(sM: cute.Tensor, sD: cute.Tensor, sA: cute.Tensor, par: Int32, 
     a = Float32(0.0)
     for g in cutlass.range_constexpr(groups):
         mg = sM[par, g, j]
-        f = Float32(cutlass.select_(mg == top, Float32(1.0), exp_shifted(mg, top, top_scaled, fast)))
+        f = rescale_factor(mg, top, top_scaled, fast)
         d = add_in_order(d, sD[par, g, j] * f, g == 0)
         a = add_in_order(a, sA[par, g, j] * f, g == 0)
     return a / d
@@ -206,14 +230,7 @@ class StreamForward(PoolingKernel):
                     # max over the warp's chunks (exact, so every lane agrees), then sums
                     # relative to it, added in chunk order down the warp
                     m = warp_chunks_max(rS, v, chunk, ct)
-                    ms = safe_max(m)
-                    ms_scaled = ms * Float32(HALF_LOG2E)
-                    d = Float32(0.0)
-                    a = Float32(0.0)
-                    for i in cutlass.range_constexpr(chunk):
-                        e = exp_shifted(rS[i, v], ms, ms_scaled, fast)
-                        d = d + e
-                        a = a + rX[i, v] * e
+                    d, a, _ = relative_sums(rS, rX, v, chunk, m, fast)
                     d, a = warp_chunks_sum(d, a, ct)
                     rM[v] = m
                     rD[v] = d
