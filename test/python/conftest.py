@@ -45,11 +45,10 @@ def csa_log(caplog):
     return caplog
 
 
-@pytest.fixture
-def online_forward(monkeypatch):
-    """The online stream forward on at its measured window limit (it is off by default until
-    the GPU suite has run with it); planner and compile caches are emptied before and after,
-    so neither side sees the other's schedules."""
+def _online_window(monkeypatch, window, max_head_dim=None):
+    """The online stream forward's window limit set to ``window`` (and its head-dim limit to
+    ``max_head_dim``) for one test; planner and compile caches are emptied before and after, so
+    neither side sees the other's schedules."""
     from csa_frontend.compressor.kernels import dispatch, schedule
 
     def forget():
@@ -57,6 +56,23 @@ def online_forward(monkeypatch):
         dispatch.clear_cache()
 
     forget()
-    monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_WINDOW", schedule.STREAM_FWD_ONLINE_MEASURED_WINDOW)
+    monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_WINDOW", window)
+    if max_head_dim is not None:
+        monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_MAX_HEAD_DIM", max_head_dim)
     yield
     forget()
+
+
+@pytest.fixture
+def online_forward(monkeypatch):
+    """The online stream forward at its measured window limit (the default) and on every head
+    dim (by default d512+ keep the pipeline, for speed alone), whatever the environment says."""
+    from csa_frontend.compressor.kernels import schedule
+    yield from _online_window(monkeypatch, schedule.STREAM_FWD_ONLINE_MEASURED_WINDOW, 1 << 30)
+
+
+@pytest.fixture
+def online_forward_off(monkeypatch):
+    """The online stream forward off: short stream windows take the pipelined forward, as
+    CSA_FRONTEND_STREAM_FWD_ONLINE=0 asks."""
+    yield from _online_window(monkeypatch, 0)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs sanitize_cases.py (forward and backward of r4 c2 d128, r3 c1 d65 and r4 c2 d2 on ragged packs with
 # empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
-# forward, backwards combining once per CTA) and r32 c1 d64 (pipelined forward, every warp combining) of
-# the stream family, their backwards under both row-count schedules; every forward of these small
+# forward, backwards combining once per CTA) and r32 c1 d64 (the online forward; pipelined with it off,
+# every warp combining) of the stream family, their backwards under both row-count schedules; every forward of these small
 # packs both as the serial forward and as its family's own (the stream kernels also on launches of
 # rows * ratio == tokens, where they guess their first rows, the backward under both schedules);
 # r4 c2 d512 through the bulk-copy forward and the interleaved backward row walk; r4 c1 d520

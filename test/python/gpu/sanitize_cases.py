@@ -36,10 +36,12 @@ FORCED_WALKS = [
     ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
     # the stream backward's interleaved row walk (compiled into coff 1)
     ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
-    # the stream forward's interleaved row walk (compiled into coff 1; the serial forward off)
-    ("interleaved stream forward rows", dict(STREAM_FWD_INTERLEAVE="1", STREAM_FWD_GRID_SMS=3, SERIAL_FWD_MAX_OUTPUTS=0),
-     (32, 1, 64)),
+    # the stream forward's interleaved row walk (compiled into coff 1; the serial and online forwards off)
+    ("interleaved stream forward rows", dict(STREAM_FWD_INTERLEAVE="1", STREAM_FWD_GRID_SMS=3, SERIAL_FWD_MAX_OUTPUTS=0,
+                                             STREAM_FWD_ONLINE_WINDOW=0), (32, 1, 64)),
 ]
+#: knobs read when a schedule is planned (cached), not when a launch is
+PLANNER_KNOBS = {"STREAM_FWD_ONLINE_WINDOW"}
 #: stream configurations of CASES run again on launches of rows * ratio == tokens (``whole_launch``)
 GUESS_CASES = [(64, 2, 128), (128, 2, 64), (32, 1, 64)]
 
@@ -88,16 +90,23 @@ def run_empty(ratio=4, coff=2, head_dim=128):
 
 @contextmanager
 def knobs(**values):
-    """The schedule module's tuning knobs set to ``values`` for the block, restored after it."""
-    from csa_frontend.compressor.kernels import schedule
+    """The schedule module's tuning knobs set to ``values`` for the block, restored after it.
+    Knobs the planner reads (``PLANNER_KNOBS``) empty its and the compile caches on both sides."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
     saved = {name: getattr(schedule, name) for name in values}
-    for name, value in values.items():
-        setattr(schedule, name, value)
+
+    def apply(settings):
+        for name, value in settings.items():
+            setattr(schedule, name, value)
+        if PLANNER_KNOBS & settings.keys():
+            schedule.choose_schedule.cache_clear()
+            dispatch.clear_cache()
+
+    apply(values)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(schedule, name, value)
+        apply(saved)
 
 
 def main():
@@ -113,6 +122,11 @@ def main():
         for case in GUESS_CASES:
             run_case(*case, repeat=3, whole_launch=True)
         print("stream forwards of rows * ratio == tokens launches: ok", flush=True)
+        # r32 c1 d64's window through the pipelined forward (the online forward off), every warp combining
+        with knobs(STREAM_FWD_ONLINE_WINDOW=0):
+            run_case(32, 1, 64)
+            run_case(32, 1, 64, repeat=3, whole_launch=True)
+        print("r32 c1 d64 (the pipelined stream forward of a short window): ok", flush=True)
     # small packs take the stream backward's few-rows schedule: the default one too
     from csa_frontend.compressor.kernels import schedule
     with knobs(STREAM_BWD_FEW_ROWS=0):

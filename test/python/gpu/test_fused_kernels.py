@@ -541,6 +541,16 @@ def test_online_forward(online_forward, ratio, coff, head_dim):
     thread per row and column slice, chunked online softmax), on packs long enough to pass the
     serial forward's limit, with odd and wide head dims, under the stream contract."""
     assert choose_schedule(ratio, coff, head_dim, "fwd").online
+    assert current_kernels("fwd", ratio, coff, head_dim).one_segment is None
+    check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) + [700 * ratio + 3], seed=ratio)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (9, 2, 3), (32, 1, 128)])
+def test_pipelined_forward_of_short_windows(online_forward_off, ratio, coff, head_dim):
+    """CSA_FRONTEND_STREAM_FWD_ONLINE=0 hands short stream windows back to the pipelined
+    forward, which must still hold the stream contract there."""
+    assert not choose_schedule(ratio, coff, head_dim, "fwd").online
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) + [700 * ratio + 3], seed=ratio)
 
 
@@ -761,10 +771,11 @@ def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (16, 2, 256), (64, 1, 512), (200, 2, 192)])
-def test_one_segment_stream_forward_gives_the_default_bits(ratio, coff, head_dim):
-    """A pack of one segment runs the stream forward compiled with the search
+def test_one_segment_stream_forward_gives_the_default_bits(online_forward_off, ratio, coff, head_dim):
+    """A pack of one segment runs the pipelined stream forward compiled with the search
     (``compile_forward_one_segment``), which writes every row (padding too) with the same bits
-    as the default stream forward (the one-round lookup) on the same pack."""
+    as the default stream forward (the one-round lookup) on the same pack. (The online forward
+    of short windows has no one-segment twin; r16 c2 runs here with it off.)"""
     from csa_frontend.compressor.kernels import dispatch
     kernels = current_kernels("fwd", ratio, coff, head_dim)
     assert kernels.sched.family == "stream" and kernels.one_segment is not None

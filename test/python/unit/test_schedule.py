@@ -855,11 +855,11 @@ def test_forward_call_routes_by_row_count(bulk_cache, ratio, coff, head_dim, rou
     assert seen == routes
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (16, 2, 256), (4, 2, 128)])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 128), (24, 2, 256), (16, 2, 256), (4, 2, 128)])
 def test_forward_call_takes_the_one_segment_stream_forward(ratio, coff, head_dim):
-    """A stream forward's pack of exactly one segment runs the one-segment kernel with its own
-    CTAs per SM (``compile_forward_one_segment``); packs of 0 or 2+ segments, and every window
-    forward, run the default kernel."""
+    """A pipelined stream forward's pack of exactly one segment runs the one-segment kernel with
+    its own CTAs per SM (``compile_forward_one_segment``); packs of 0 or 2+ segments, every
+    window forward and the online stream forward (r16 c2) run the default kernel."""
     import torch
 
     from csa_frontend.compressor.kernels import dispatch
@@ -870,7 +870,7 @@ def test_forward_call_takes_the_one_segment_stream_forward(ratio, coff, head_dim
     for n_seg in (0, 1, 2, 7):
         inputs = meta_forward_inputs(ratio, coff, head_dim, n_seg)
         fn, args = dispatch.forward_call("own", sched, 1, None, None, 132, one, *inputs, out)
-        if sched.family != "stream":
+        if sched.family != "stream" or sched.online:
             assert (fn, args) == ("own", inputs + (out,))
         else:
             rpc = sch.fwd_rows_per_cta(rows, sched, 3 if n_seg == 1 else 1, 132)
@@ -932,7 +932,8 @@ def test_online_forward_serves_short_stream_windows(online_forward, monkeypatch)
     """With the online forward on, the stream forward walks windows of at most
     ``STREAM_FWD_ONLINE_WINDOW`` positions per thread (``online``, in chunks of
     ``STREAM_FWD_ONLINE_CHUNK``); longer windows, the backward and the register-window family
-    keep theirs; 0 (the default until its GPU run) turns it off."""
+    keep theirs; a window limit of 0 turns it off, and head dims past
+    ``STREAM_FWD_ONLINE_MAX_HEAD_DIM`` keep the pipeline."""
     for ratio in range(1, 257):
         for coff in (1, 2):
             for head_dim in (3, 64, 130, 512):
@@ -944,13 +945,24 @@ def test_online_forward_serves_short_stream_windows(online_forward, monkeypatch)
     assert sch.choose_schedule(16, 2, 256, "fwd").online
     monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_WINDOW", 0)
     assert not sch._stream_schedule(16, 2, 256, 4, "fwd").online
+    monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_WINDOW", 32)
+    monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_MAX_HEAD_DIM", 256)
+    assert sch._stream_schedule(8, 2, 256, 4, "fwd").online and not sch._stream_schedule(8, 2, 257, 4, "fwd").online
 
 
 @pytest.mark.L0
-def test_online_forward_is_off_by_default():
-    """No planned schedule takes the online forward unless asked (``CSA_FRONTEND_STREAM_FWD_ONLINE``):
-    it has not run the GPU suite yet."""
+def test_online_forward_is_on_by_default():
+    """Unless the environment says otherwise, stream forwards of windows up to the measured limit
+    and head dims up to 256 take the online forward; longer windows and wider rows the pipeline."""
     if "CSA_FRONTEND_STREAM_FWD_ONLINE" in os.environ:
         pytest.skip("set by the environment")
+    if "CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM" in os.environ:
+        pytest.skip("set by the environment")
+    assert sch.STREAM_FWD_ONLINE_WINDOW == sch.STREAM_FWD_ONLINE_MEASURED_WINDOW == 32
     sch.choose_schedule.cache_clear()
-    assert not any(sch.choose_schedule(ratio, coff, 256, "fwd").online for ratio in range(1, 257) for coff in (1, 2))
+    assert sch.choose_schedule(16, 2, 256, "fwd").online and sch.choose_schedule(32, 1, 128, "fwd").online
+    assert sch.choose_schedule(8, 2, 256, "fwd").online
+    assert not sch.choose_schedule(17, 2, 256, "fwd").online and not sch.choose_schedule(33, 1, 128, "fwd").online
+    # d512 and wider keep the pipeline
+    assert sch.choose_schedule(8, 2, 512, "fwd").family == "stream" and not sch.choose_schedule(8, 2, 512, "fwd").online
+    assert not sch.choose_schedule(32, 1, 4096, "fwd").online

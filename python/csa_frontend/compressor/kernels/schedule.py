@@ -474,13 +474,27 @@ STREAM_MAX_VEC = _per_direction({"fwd": 4, "bwd": 4}, "CSA_FRONTEND_STREAM_MAX_V
 #: alternating rounds, fwd us pipeline / online at chunk 4): 4x8192 r16 c2 d256 19.9, 19.9 /
 #: 19.3, 19.5; 1x65536 r16 c2 d256 37.4, 37.1 / 35.9, 36.1; 16x8192 r16 c2 d256 70.0, 70.4 /
 #: 67.1, 67.3. Longer windows lose or tie: 1x65536 r32 c2 d128 19.3, 19.3 / 21.3, 21.3, 1x65536
-#: r64 c1 d512 35.8, 36.0 / 35.5, 35.7; at chunk 8 (74-87 registers) every one lost. Off by
-#: default (0) until the GPU suite has run with it on (session 46's device time ran out first;
-#: ``test_online_forward`` turns it on); 32 is the measured limit. Tuning knobs,
-#: CSA_FRONTEND_STREAM_FWD_ONLINE and CSA_FRONTEND_STREAM_FWD_ONLINE_CHUNK.
-STREAM_FWD_ONLINE_WINDOW = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE", "0"))
+#: r64 c1 d512 35.8, 36.0 / 35.5, 35.7; at chunk 8 (74-87 registers) every one lost. On by
+#: default since session 47 (the GPU suite, fuzz seeds 13298-13497, memcheck and initcheck ran
+#: with it); 0 turns it off (``online_forward_off`` tests the pipeline on short windows). Tuning
+#: knobs, CSA_FRONTEND_STREAM_FWD_ONLINE and CSA_FRONTEND_STREAM_FWD_ONLINE_CHUNK.
 STREAM_FWD_ONLINE_MEASURED_WINDOW = 32
+STREAM_FWD_ONLINE_WINDOW = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE", str(STREAM_FWD_ONLINE_MEASURED_WINDOW)))
 STREAM_FWD_ONLINE_CHUNK = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_CHUNK", "4"))
+#: ... and of head dims up to this: from d512 on the pipeline reads whole token rows near the
+#: floor and the online forward (each coff-2 half of a token row read by another output row)
+#: does not beat it. Session 47, H200, fwd us pipeline / online, two rounds: 1x65536 r8 c2 d512
+#: 70.7, 70.6 / 75.1, 75.0 (copy 67.5); r16 c2 d512 70.1, 70.2 / 69.8, 69.6; r32 c1 d512 37.0,
+#: 36.8 / 36.2, 36.3; where below it wins: 4x8192 r8 c2 d256 24.1, 24.4 / 21.1, 21.0; 1x65536
+#: r12 c2 d128 24.5, 24.6 / 22.5, 22.4; r32 c1 d128 12.8, 12.8 / 11.8, 11.7. Tuning knob,
+#: CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM.
+STREAM_FWD_ONLINE_MAX_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM", "256"))
+
+
+def takes_online_forward(ratio: int, coff: int, head_dim: int, direction: str) -> bool:
+    """Whether a stream-family ``direction`` of this config runs the online forward."""
+    return (direction == "fwd" and coff * ratio <= STREAM_FWD_ONLINE_WINDOW
+            and head_dim <= STREAM_FWD_ONLINE_MAX_HEAD_DIM)
 #: Online forward: threads per CTA, whatever the stream schedule's own width (128 measured the
 #: same on the r16 rows above).
 STREAM_FWD_ONLINE_THREADS = 256
@@ -502,7 +516,7 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     per_warp = chunks_per_warp(col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
-    online = STREAM_FWD_ONLINE_CHUNK if direction == "fwd" and coff * ratio <= STREAM_FWD_ONLINE_WINDOW else 0
+    online = STREAM_FWD_ONLINE_CHUNK if takes_online_forward(ratio, coff, head_dim, direction) else 0
     return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, online=online)
 
 
