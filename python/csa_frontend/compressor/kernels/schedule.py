@@ -490,14 +490,15 @@ STREAM_FWD_ONLINE_CHUNK = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_CHU
 #: CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM.
 STREAM_FWD_ONLINE_MAX_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM", "256"))
 
+#: Online forward: threads per CTA, whatever the stream schedule's own width (128 measured the
+#: same on the r16 rows above).
+STREAM_FWD_ONLINE_THREADS = 256
+
 
 def takes_online_forward(ratio: int, coff: int, head_dim: int, direction: str) -> bool:
     """Whether a stream-family ``direction`` of this config runs the online forward."""
     return (direction == "fwd" and coff * ratio <= STREAM_FWD_ONLINE_WINDOW
             and head_dim <= STREAM_FWD_ONLINE_MAX_HEAD_DIM)
-#: Online forward: threads per CTA, whatever the stream schedule's own width (128 measured the
-#: same on the r16 rows above).
-STREAM_FWD_ONLINE_THREADS = 256
 
 
 def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str,
