@@ -60,7 +60,8 @@ def ab_shape(item: str, variants, directions, rounds: int, bw: float) -> dict:
         sched, per_sm, sms = entry.sched, entry.per_sm, getattr(entry, "sms", None)
         res[f"{direction}_schedule"] = f"{sched.family} {sched.threads} threads x {sched.col_tiles} tiles, " \
                                        f"{per_sm} CTAs per SM"
-        for name in variants if direction == "fwd" and sched.family == "stream" else ():
+        # the online forward is launched by output rows alone: no grid variants
+        for name in variants if direction == "fwd" and sched.family == "stream" and not sched.online else ():
             apply_variant(name)
             rpc = dispatch.fwd_rows_per_cta(n_rows, sched, per_sm, sms)
             res[f"fwd_{name}_grid"] = f"{rpc} rows x {-(-n_rows // rpc) * sched.col_tiles} CTAs"

@@ -33,6 +33,13 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
         assert width * s.vec <= 32
         assert s.vec >= 2 or sch.vector_width(head_dim) == 1
         assert s.threads <= sch.WINDOW_CTA_THREADS[direction]
+    elif s.online:
+        # one thread per output row and column slice walks the whole window, chunk by chunk
+        assert s.family == "stream" and direction == "fwd" and width <= sch.STREAM_FWD_ONLINE_WINDOW
+        assert s.chunk == sch.STREAM_FWD_ONLINE_CHUNK
+        assert s.col_threads & (s.col_threads - 1) == 0
+        assert s.col_threads < 2 * n_vec or s.col_threads == 1
+        assert s.threads == sch.STREAM_FWD_ONLINE_THREADS
     else:
         assert s.family == "stream"
         assert s.chunk == max(1, sch.STREAM_CHUNK_VALUES[direction] // s.vec)
@@ -164,8 +171,9 @@ def test_stream_forward_rows_per_cta():
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (64, 1, 512), (200, 2, 192), (256, 1, 4096)])
-def test_stream_forward_grid_stays_within_target(ratio, coff, head_dim):
-    """Whatever the row count, the grid never exceeds the target (no second-wave stragglers)."""
+def test_stream_forward_grid_stays_within_target(online_forward_off, ratio, coff, head_dim):
+    """Whatever the row count, the pipelined forward's grid never exceeds the target (no
+    second-wave stragglers)."""
     s = sch.choose_schedule(ratio, coff, head_dim, "fwd")
     for n_rows in [1, 7, 255, 256, 257, 512, 1000, 1024, 4096, 10 ** 5 + 3]:
         rpc = sch.fwd_rows_per_cta(n_rows, s)
@@ -189,9 +197,10 @@ def test_resident_ctas_per_sm(threads, registers, ctas):
                                                 (48, 2, 256), (100, 2, 128), (200, 1, 192), (37, 2, 512),
                                                 (13, 2, 1024), (17, 1, 256), (12, 2, 64), (256, 2, 4096)])
 @pytest.mark.parametrize("registers", [64, 96, 112, 128, 168])
-def test_stream_grid_is_one_even_wave(direction, ratio, coff, head_dim, registers):
-    """The stream grid: the same CTA count on each of STREAM_GRID_SMS SMs (up to the column tiles'
-    rounding), never more than fit at once, the thread target's CTAs per SM rounded up; where
+def test_stream_grid_is_one_even_wave(online_forward_off, direction, ratio, coff, head_dim, registers):
+    """The stream grid (pipelined forward, backward): the same CTA count on each of
+    STREAM_GRID_SMS SMs (up to the column tiles' rounding), never more than fit at once, the
+    thread target's CTAs per SM rounded up; where
     512 / threads is whole and the kernel fits it (the 512- and 256-thread CTAs of every SPEC
     row), exactly the grid of the thread target alone."""
     s = sch.choose_schedule(ratio, coff, head_dim, direction)
@@ -212,7 +221,7 @@ def test_stream_grid_is_one_even_wave(direction, ratio, coff, head_dim, register
 @pytest.mark.parametrize("ratio,coff,head_dim", [(100, 2, 128), (200, 1, 192), (17, 1, 256), (24, 1, 512),
                                                 (128, 2, 512), (16, 2, 256), (64, 1, 512), (128, 1, 128)])
 @pytest.mark.parametrize("device_sms", [78, 128, 132, 148])
-def test_stream_forward_wave_counts_the_device_sms(monkeypatch, ratio, coff, head_dim, device_sms):
+def test_stream_forward_wave_counts_the_device_sms(online_forward_off, monkeypatch, ratio, coff, head_dim, device_sms):
     """The stream forward's wave is laid over the launching device's SMs (its bits do not depend
     on the grid); the backward's stays on STREAM_GRID_SMS (grad_ape's order). The launch never
     exceeds the resident CTAs of those SMs, and STREAM_FWD_GRID_SMS overrides the device."""
@@ -233,7 +242,7 @@ def test_stream_forward_wave_counts_the_device_sms(monkeypatch, ratio, coff, hea
     assert sch.bwd_rows_per_thread(10 ** 6, b, resident) == max(1, -(-10 ** 6 // b_ctas))
 
 
-def test_shared_memory_caps_the_residency_when_counted(monkeypatch):
+def test_shared_memory_caps_the_residency_when_counted(online_forward_off, monkeypatch):
     """CSA_FRONTEND_STREAM_SHARED_RESIDENT: a 224-thread forward of about 79 KB fits 2 CTAs per SM
     though its registers allow 3; off (the default), the registers alone decide."""
     s = sch.choose_schedule(25, 2, 128, "fwd")
@@ -931,7 +940,7 @@ def test_forward_call_takes_serial_below_the_limit(bulk_cache, ratio, coff, head
 def test_online_forward_serves_short_stream_windows(online_forward, monkeypatch):
     """With the online forward on, the stream forward walks windows of at most
     ``STREAM_FWD_ONLINE_WINDOW`` positions per thread (``online``, in chunks of
-    ``STREAM_FWD_ONLINE_CHUNK``); longer windows, the backward and the register-window family
+    ``STREAM_FWD_ONLINE_CHUNK`` positions); longer windows, the backward and the register-window family
     keep theirs; a window limit of 0 turns it off, and head dims past
     ``STREAM_FWD_ONLINE_MAX_HEAD_DIM`` keep the pipeline."""
     for ratio in range(1, 257):
@@ -940,8 +949,9 @@ def test_online_forward_serves_short_stream_windows(online_forward, monkeypatch)
                 for direction in ("fwd", "bwd"):
                     s = sch.choose_schedule(ratio, coff, head_dim, direction)
                     short = coff * ratio <= sch.STREAM_FWD_ONLINE_WINDOW
-                    want = sch.STREAM_FWD_ONLINE_CHUNK if s.family == "stream" and direction == "fwd" and short else 0
+                    want = s.family == "stream" and direction == "fwd" and short
                     assert s.online == want, (ratio, coff, head_dim, direction, s)
+                    assert not want or s.chunk == sch.STREAM_FWD_ONLINE_CHUNK
     assert sch.choose_schedule(16, 2, 256, "fwd").online
     monkeypatch.setattr(sch, "STREAM_FWD_ONLINE_WINDOW", 0)
     assert not sch._stream_schedule(16, 2, 256, 4, "fwd").online

@@ -294,12 +294,6 @@ class RowsForward(PoolingKernel):
     def cta_rows(self) -> int:
         raise NotImplementedError
 
-    def cta_threads(self) -> int:
-        return self.sched.threads
-
-    def col_tiles(self) -> int:
-        return self.sched.col_tiles
-
     @cute.jit
     def __call__(
         self,
@@ -313,8 +307,8 @@ class RowsForward(PoolingKernel):
     ):
         rows = self.cta_rows()
         self.kernel(mKV, mS, mApe, mCu, mCuC, mOut).launch(
-            grid=((mOut.shape[0] + rows - 1) // rows, self.col_tiles(), 1),
-            block=(self.cta_threads(), 1, 1),
+            grid=((mOut.shape[0] + rows - 1) // rows, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
             stream=stream,
             use_pdl=self.pdl,
         )

@@ -2,9 +2,10 @@
 window in chunks.
 
 For stream-family windows short enough (``STREAM_FWD_ONLINE_WINDOW``) that one thread can walk
-them whole. The thread reads each chunk of ``online`` positions straight from global memory
-(kv and score from DRAM, ape from L1), takes the chunk's max, and folds ``sum e`` and ``sum kv
-e`` into its running partials, rescaled by ``exp(m_old - m_new)`` only where the max moved.
+them whole. The thread reads each chunk of the schedule's ``chunk`` positions straight from
+global memory (kv and score from DRAM, ape from L1), takes the chunk's max, and folds ``sum e``
+and ``sum kv e`` into its running partials, rescaled by ``exp(m_old - m_new)`` only where the
+max moved.
 No shared memory, no barriers and no per-CTA pipeline: latency is hidden by resident warps, as
 in a copy, where the CTA-per-rows pipeline (``stream_fwd``) waits on its staging and on one
 barrier per row. Each half of a coff-2 window is one run of consecutive tokens of one column
@@ -14,7 +15,8 @@ Exponentials as the pipelined stream forward's (``exp_shifted``, ``STREAM_FAST_E
 differ from the reference by re-association and those exponentials only: the stream family's
 tolerance contract (docs/csa_compressor.md), bitwise reproducible.
 
-Grid: x over groups of output rows, y over column tiles, as the register-window forward.
+Grid: x over groups of the schedule's ``row_lanes`` output rows, y over column tiles
+(``schedule._online_schedule``), as the register-window forward.
 Padding rows (``row >= cu_seqlens_comp[-1]``) pool segment 0's first block.
 """
 from __future__ import annotations
@@ -24,17 +26,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .common import RowsForward, block_start, enter_grid, kv_and_score, row_start
-from .schedule import STREAM_FAST_EXP, STREAM_FWD_ONLINE_THREADS
+from .schedule import STREAM_FAST_EXP
 from .stream_fwd import relative_sums, rescale_factor
-
-
-def online_layout(n_vec: int, threads: int):
-    """(column threads per row, rows per CTA, column tiles): a power of two of column threads
-    covering ``n_vec`` slices (at most the CTA), the rest of the CTA over rows."""
-    ct = 1
-    while ct < min(n_vec, threads):
-        ct *= 2
-    return ct, threads // ct, -(-n_vec // ct)
 
 
 class OnlineForward(RowsForward):
@@ -42,10 +35,9 @@ class OnlineForward(RowsForward):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        assert self.sched.online > 0
-        self.col_threads, self.rows, self.tiles = online_layout(self.n_vec, STREAM_FWD_ONLINE_THREADS)
+        assert self.sched.online
         # a warp shares its row where whole warps fit across the columns: the lookup may vote
-        self.warp_rows = self.col_threads % 32 == 0
+        self.warp_rows = self.sched.col_threads % 32 == 0
 
     def one_round_loads(self, direction: str) -> int:
         """The direction's round where a warp shares its row; the search where rows split warps
@@ -53,23 +45,17 @@ class OnlineForward(RowsForward):
         return super().one_round_loads(direction) if self.warp_rows or self.lookup_loads is not None else 0
 
     def cta_rows(self) -> int:
-        return self.rows
-
-    def cta_threads(self) -> int:
-        return STREAM_FWD_ONLINE_THREADS
-
-    def col_tiles(self) -> int:
-        return self.tiles
+        return self.sched.row_lanes
 
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
         enter_grid(self.pdl)
         vec, n_vec, ratio, coff = self.vec, self.n_vec, self.ratio, self.coff
-        ct = self.col_threads
+        ct = self.sched.col_threads
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         cv = by * ct + tidx % ct
-        row = bx * self.rows + tidx // ct
+        row = bx * self.sched.row_lanes + tidx // ct
         n_seg = mCu.shape[0] - 1
         if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
             t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
@@ -84,10 +70,10 @@ class OnlineForward(RowsForward):
                 if cutlass.const_expr(coff == 2):
                     # previous block, first-half columns (invalid for a segment's first block)
                     if has_prev:
-                        online_run(mKV, mS, mApe, rM, rD, rA, own0 - ratio, cv, ratio, self.sched.online, vec, True)
-                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv + n_vec, ratio, self.sched.online, vec, False)
+                        online_run(mKV, mS, mApe, rM, rD, rA, own0 - ratio, cv, ratio, self.sched.chunk, vec, True)
+                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv + n_vec, ratio, self.sched.chunk, vec, False)
                 else:
-                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv, ratio, self.sched.online, vec, True)
+                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv, ratio, self.sched.chunk, vec, True)
                 rO = cute.make_rmem_tensor((vec,), Float32)
                 for v in cutlass.range_constexpr(vec):
                     rO[v] = rA[v] / rD[v]

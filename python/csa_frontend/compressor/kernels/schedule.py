@@ -162,11 +162,11 @@ class Schedule:
     # "serial": small forward launches in the reference's order (``serial_forward_schedule``)
     vec: int  # elements per thread access along head_dim (8 -> 16-byte bf16 accesses)
     col_threads: int  # threads across head_dim in one CTA
-    row_lanes: int  # window family: threads across output rows; stream family: window chunks
+    row_lanes: int  # window family, online forward: threads across output rows; stream family: window chunks
     col_tiles: int  # CTAs across head_dim
-    chunk: int = 0  # stream family: window positions per thread
+    chunk: int = 0  # stream family: window positions per thread (online forward: per step of its walk)
     stages: int = 0  # window forward: bulk-copy pipeline stages (``bulk_forward_schedule``); 0: none
-    online: int = 0  # stream forward walked per thread (``online_fwd``), in chunks of this many positions
+    online: bool = False  # stream forward: one thread walks a row's whole window (``online_fwd``)
 
     @property
     def threads(self) -> int:
@@ -436,6 +436,7 @@ def chunks_per_warp(col_threads: int) -> int:
 def warp_groups(sched: "Schedule") -> int:
     """Stream family: warps across a CTA's window chunks, i.e. the partials per column that are
     combined through shared memory."""
+    assert not sched.online, "the online forward's row_lanes are output rows, not window chunks"
     return sched.row_lanes // chunks_per_warp(sched.col_threads)
 
 
@@ -458,6 +459,10 @@ STREAM_FWD_STAGED = _per_direction({"c1": 1, "c2": 1}, "CSA_FRONTEND_STREAM_FWD_
 
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 #: Widest stream vector per direction (swept on the H200: the forward at vec 8 lost 2-20%
@@ -501,9 +506,21 @@ def takes_online_forward(ratio: int, coff: int, head_dim: int, direction: str) -
             and head_dim <= STREAM_FWD_ONLINE_MAX_HEAD_DIM)
 
 
+def _online_schedule(vec: int, head_dim: int) -> Schedule:
+    """The online forward's CTA of ``STREAM_FWD_ONLINE_THREADS``: a power of two of column
+    threads covering the head dim's ``vec`` slices (at most the CTA), the rest over output rows;
+    column tiles for what one CTA row does not cover."""
+    n_vec = head_dim // vec
+    col_threads = min(_ceil_pow2(n_vec), STREAM_FWD_ONLINE_THREADS)
+    return Schedule("stream", vec, col_threads, STREAM_FWD_ONLINE_THREADS // col_threads,
+                    -(-n_vec // col_threads), STREAM_FWD_ONLINE_CHUNK, online=True)
+
+
 def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: str,
                      threads: int = 0) -> Schedule:
     vec = min(vec, STREAM_MAX_VEC[direction])
+    if takes_online_forward(ratio, coff, head_dim, direction):
+        return _online_schedule(vec, head_dim)
     chunk = max(1, STREAM_CHUNK_VALUES[direction] // vec)
     n_chunks = -(-coff * ratio // chunk)
     n_vec = head_dim // vec
@@ -517,8 +534,7 @@ def _stream_schedule(ratio: int, coff: int, head_dim: int, vec: int, direction: 
     per_warp = chunks_per_warp(col_threads)
     n_chunks = -(-n_chunks // per_warp) * per_warp
     col_tiles = -(-n_vec // col_threads)
-    online = STREAM_FWD_ONLINE_CHUNK if takes_online_forward(ratio, coff, head_dim, direction) else 0
-    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk, online=online)
+    return Schedule("stream", vec, col_threads, n_chunks, col_tiles, chunk)
 
 
 #: Row-count bucket of the stream backward: launches whose CTAs walk at most this many rows
@@ -612,6 +628,7 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
     whole CTAs, rounded up, but no more than fit at once (``resident``, the compiled kernel's
     residency; None: at ASSUMED_REGISTERS). So the grid is one wave, the same number of CTAs on
     every SM."""
+    assert not sched.online, "the online forward is launched by output rows alone"
     target = STREAM_FWD_TARGET_THREADS if direction == "fwd" else STREAM_BWD_TARGET_THREADS
     if not STREAM_RESIDENT[direction]:
         return max(1, target // sched.threads // sched.col_tiles)
