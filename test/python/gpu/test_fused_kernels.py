@@ -765,7 +765,8 @@ def test_wide_window_backward_at_its_default_threshold():
 
 @pytest.mark.L1
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 64), (128, 1, 128), (33, 2, 66), (8, 2, 65), (128, 2, 64)])
-def test_stream_rows_walked_per_cta(few_ctas, ratio, coff, head_dim):
+def test_stream_rows_walked_per_cta(few_ctas, online_forward_off, ratio, coff, head_dim):
+    """Stream CTAs (the pipelined forward's too: the online forward is off) walking many rows."""
     check_stream_config(ratio, coff, head_dim, stream_edge_lengths(ratio) * 3, pad_rows=4, seed=ratio)
 
 
@@ -864,10 +865,12 @@ def assert_same_bits(results):
 @pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(16, 2, 256), (128, 1, 128), (64, 2, 64), (33, 2, 130),
                                                (20, 1, 96)])
-def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack, ratio, coff, head_dim):
+def test_guessed_first_rows_give_the_unguessed_bits(online_forward_off, monkeypatch, direction, pack, ratio, coff,
+                                                     head_dim):
     """The stream kernels may request each CTA's first row at ``row * ratio`` before its lookup
     answers and again where the lookup disagrees; every output (padding rows included) and every
-    gradient gets the same bits as without the guess, with CTAs that walk one row or many."""
+    gradient gets the same bits as without the guess, with CTAs that walk one row or many. (The
+    online forward of short windows makes no guess: off here, r16 c2 runs the pipeline.)"""
     from csa_frontend.compressor.kernels import stream_bwd, stream_fwd
     assert choose_schedule(ratio, coff, head_dim, direction).family == "stream"
     cu, comp, n_tok, rows = pack_inputs(ratio, pack)
@@ -892,11 +895,13 @@ def test_guessed_first_rows_give_the_unguessed_bits(monkeypatch, direction, pack
 @pytest.mark.L1
 @pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (20, 1, 96), (64, 1, 512), (16, 2, 256), (33, 2, 130)])
-def test_interleaved_stream_forward_walk_gives_the_contiguous_bits(monkeypatch, pack, ratio, coff, head_dim):
+def test_interleaved_stream_forward_walk_gives_the_contiguous_bits(online_forward_off, monkeypatch, pack, ratio, coff,
+                                                                   head_dim):
     """The stream forward's CTAs may walk rows the grid's row CTAs apart instead of in one run
     (``STREAM_FWD_INTERLEAVE``, forced here onto every launch and coff): each row is still pooled
     whole by one CTA, so every output (padding rows included) has the same bits either way, on a
-    one-wave grid and on 5 SMs' worth of CTAs that walk many rows."""
+    one-wave grid and on 5 SMs' worth of CTAs that walk many rows. (The pipelined forward: the
+    online forward of short windows, which walks no rows, is off here.)"""
     assert choose_schedule(ratio, coff, head_dim, "fwd").family == "stream"
     cu, comp, n_tok, rows = pack_inputs(ratio, pack)
     kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
