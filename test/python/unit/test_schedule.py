@@ -38,7 +38,7 @@ def test_schedule_covers_the_problem(direction, ratio, coff, head_dim):
         assert s.family == "stream" and direction == "fwd" and width <= sch.STREAM_FWD_ONLINE_WINDOW
         assert s.chunk == sch.STREAM_FWD_ONLINE_CHUNK
         assert s.col_threads & (s.col_threads - 1) == 0
-        assert s.col_threads < 2 * n_vec or s.col_threads == 1
+        assert s.col_threads < 2 * n_vec  # the smallest power of two covering the columns (at most the CTA)
         assert s.threads == sch.STREAM_FWD_ONLINE_THREADS
     else:
         assert s.family == "stream"
