@@ -294,6 +294,15 @@ class RowsForward(PoolingKernel):
     def cta_rows(self) -> int:
         raise NotImplementedError
 
+    def row_and_slice(self):
+        """(output row, column slice) of this thread where a CTA is the schedule's ``row_lanes``
+        rows x ``col_threads`` slices (x blocks over row groups, y over column tiles)."""
+        ct = self.sched.col_threads
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        cv = by * ct + tidx % ct
+        return bx * self.sched.row_lanes + tidx // ct, cv
+
     @cute.jit
     def __call__(
         self,

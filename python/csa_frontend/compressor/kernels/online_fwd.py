@@ -51,11 +51,7 @@ class OnlineForward(RowsForward):
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
         enter_grid(self.pdl)
         vec, n_vec, ratio, coff = self.vec, self.n_vec, self.ratio, self.coff
-        ct = self.sched.col_threads
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        cv = by * ct + tidx % ct
-        row = bx * self.sched.row_lanes + tidx // ct
+        row, cv = self.row_and_slice()
         n_seg = mCu.shape[0] - 1
         if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
             t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
