@@ -495,8 +495,8 @@ STREAM_FWD_ONLINE_CHUNK = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_CHU
 #: CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM.
 STREAM_FWD_ONLINE_MAX_HEAD_DIM = int(os.environ.get("CSA_FRONTEND_STREAM_FWD_ONLINE_MAX_HEAD_DIM", "256"))
 
-#: Online forward: threads per CTA, whatever the stream schedule's own width (128 measured the
-#: same on the r16 rows above).
+#: Online forward: threads per CTA (``_online_schedule``; 128 measured the same on the r16 rows
+#: above).
 STREAM_FWD_ONLINE_THREADS = 256
 
 
