@@ -267,11 +267,12 @@ class PoolingKernel:
         self.atomic = atomic  # backward only: grad_ape by atomics instead of ordered slabs
         self.vector_atomics = vector_atomics  # ``red.global.add.v{2,4}.f32`` allowed (sm_90+)
         self.pdl = pdl  # programmatic dependent launch (``uses_pdl``, ``enter_grid``)
-        # window family: when whole warps fit across the columns, every warp works on one row at
-        # a time, so row lookups may vote. Not the stream family: its CTA-wide rows would allow
-        # it, but the vote's registers pushed the r16 forward from 64 to 67 registers (3 CTAs per
-        # SM instead of 4: 38 -> 48 us on the H200), for a lookup it makes once per CTA row.
-        self.warp_rows = sched.family == "window" and sched.col_threads % 32 == 0
+        # window family and online forward (rows across threads): when whole warps fit across
+        # the columns, every warp works on one row at a time, so row lookups may vote. Not the
+        # pipelined stream kernels: their CTA-wide rows would allow it, but the vote's registers
+        # pushed the r16 forward from 64 to 67 registers (3 CTAs per SM instead of 4: 38 -> 48
+        # us on the H200), for a lookup it makes once per CTA row.
+        self.warp_rows = (sched.family == "window" or sched.online) and sched.col_threads % 32 == 0
 
     def one_round_loads(self, direction: str) -> int:
         """The widest one-round row lookup (``tiered_offsets``) this kernel takes, 0 for the

@@ -193,7 +193,7 @@ def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: 
         return fn, sched, 0
     if sched.family in ("window", "serial") or sched.online:
         # launched by output rows alone (the online stream forward sizes no resident grid)
-        family = {"window": WindowForward, "serial": SerialForward}.get(sched.family, OnlineForward)
+        family = OnlineForward if sched.online else {"window": WindowForward, "serial": SerialForward}[sched.family]
         fn = cute.compile(family(ratio, coff, head_dim, sched, pdl=pdl, lookup_loads=lookup_loads), *args, stream,
                           options=_options(arch))
         return fn, sched, 0

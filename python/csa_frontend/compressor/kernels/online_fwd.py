@@ -36,8 +36,6 @@ class OnlineForward(RowsForward):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         assert self.sched.online
-        # a warp shares its row where whole warps fit across the columns: the lookup may vote
-        self.warp_rows = self.sched.col_threads % 32 == 0
 
     def one_round_loads(self, direction: str) -> int:
         """The direction's round where a warp shares its row; the search where rows split warps
