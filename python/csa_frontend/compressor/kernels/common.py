@@ -277,23 +277,25 @@ class PoolingKernel:
     def one_round_loads(self, direction: str) -> int:
         """The widest one-round row lookup (``tiered_offsets``) this kernel takes, 0 for the
         search (``LOOKUP_ONE_ROUND``). Only where a whole warp shares its row: kernels with
-        ``warp_rows`` (the direction's round), stream kernels (CTA-wide rows); ``lookup_loads``
-        where given."""
+        ``warp_rows`` (the direction's round), the pipelined stream kernels (CTA-wide rows; not
+        the online forward, whose rows split warps where ``warp_rows`` is false);
+        ``lookup_loads`` where given."""
         if self.lookup_loads is not None:
             return self.lookup_loads
         if self.warp_rows:
             return LOOKUP_ONE_ROUND[direction]
-        if self.family == "stream":
+        if self.family == "stream" and not self.sched.online:
             return LOOKUP_ONE_ROUND[f"stream_{direction}"]
         return 0
 
 
 class RowsForward(PoolingKernel):
     """Forwards launched as groups of ``cta_rows()`` output rows x the schedule's column tiles,
-    with the tensors as their only arguments (the register-window and the serial forward)."""
+    with the tensors as their only arguments (the register-window, online and serial forwards)."""
 
     def cta_rows(self) -> int:
-        raise NotImplementedError
+        """Output rows per CTA: the schedule's row lanes (``row_and_slice``)."""
+        return self.sched.row_lanes
 
     def row_and_slice(self):
         """(output row, column slice) of this thread where a CTA is the schedule's ``row_lanes``

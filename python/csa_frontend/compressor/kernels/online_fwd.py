@@ -37,14 +37,6 @@ class OnlineForward(RowsForward):
         super().__init__(*args, **kwargs)
         assert self.sched.online
 
-    def one_round_loads(self, direction: str) -> int:
-        """The direction's round where a warp shares its row; the search where rows split warps
-        (not the stream family's CTA-wide rows)."""
-        return super().one_round_loads(direction) if self.warp_rows or self.lookup_loads is not None else 0
-
-    def cta_rows(self) -> int:
-        return self.sched.row_lanes
-
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
         enter_grid(self.pdl)

@@ -31,9 +31,6 @@ from .schedule import WINDOW_FWD_CHECKED
 class WindowForward(RowsForward):
     family = "window"
 
-    def cta_rows(self) -> int:
-        return self.sched.row_lanes
-
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mOut):
         enter_grid(self.pdl)
