@@ -1,6 +1,7 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
 shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
-stream-grid A/B's variants, the size sweep's fit, the targets check and the contract-risk model."""
+stream-grid A/B's variants, the size sweep's fit, the targets check, the contract-risk model
+and the profiling driver's shape check."""
 import os
 import sys
 
@@ -224,3 +225,13 @@ def test_sass_budget_counts_instructions_per_barrier_region():
     ops, regions = sass_budget.sass_regions(sass)
     assert regions == [3, 3, 1]
     assert ops == {"LDC": 1, "LDG": 1, "BAR": 2, "BRA": 1, "FADD": 1, "EXIT": 1}
+
+
+@pytest.mark.L0
+def test_profile_calls_rejects_a_malformed_shape_before_any_launch(monkeypatch):
+    """profile_calls.py (the driver ncu profiles) parses its one shape like ``--shapes`` does,
+    so a malformed one stops it before it makes inputs or compiles anything."""
+    import profile_calls
+    monkeypatch.setattr(sys, "argv", ["profile_calls.py", "--shape", "3x8192x4"])
+    with pytest.raises(SystemExit, match="3x8192x4"):
+        profile_calls.main()
