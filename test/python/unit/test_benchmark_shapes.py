@@ -1,7 +1,7 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
 shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
-stream-grid A/B's variants, the size sweep's fit, the targets check, the contract-risk model
-and the profiling driver's shape check."""
+stream-grid A/B's variants, the size sweep's fit, the targets check, the contract-risk model,
+the profiling driver's shape check and the SM-layout probe's analysis."""
 import os
 import sys
 
@@ -235,3 +235,19 @@ def test_profile_calls_rejects_a_malformed_shape_before_any_launch(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["profile_calls.py", "--shape", "3x8192x4"])
     with pytest.raises(SystemExit, match="3x8192x4"):
         profile_calls.main()
+
+
+@pytest.mark.L0
+def test_sm_layout_probe_analysis():
+    """probe_sm_layout.py: the first wave counts CTAs started together (across a timer wrap), SMs
+    that ran one cluster join one group, and CTA durations are summarised per group."""
+    import probe_sm_layout as probe
+
+    wrap = probe.TIMER_WRAP
+    assert probe.timer_delta(5, wrap - 5) == 10 and probe.timer_delta(wrap - 5, 5) == -10
+    assert probe.first_wave([wrap - 1000, 500, 250_000, 10_000]) == 3
+    assert probe.first_wave([]) == 0
+    launches = [[(0, 0), (1, 0), (2, 1), (3, 1)], [(1, 7), (2, 7), (5, 9)]]
+    assert probe.co_located_groups(6, launches) == [[0, 1, 2, 3], [4], [5]]
+    records = [(0, 0, 2000), (1, 100, 4100), (4, 0, 1000), (9, wrap - 500, 1500)]
+    assert probe.durations_by_group(records, [[0, 1], [4]]) == [(-1, 1, 2.0, 2.0), (0, 2, 3.0, 4.0), (1, 1, 1.0, 1.0)]
