@@ -1021,6 +1021,11 @@ LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 4, "stream_
 #: reach the DRAM in read and write bursts). Timing only: the same rows in the same order, the
 #: same bits. 0 (the default) emits no code. Diagnostic knob (A/B), CSA_FRONTEND_WINDOW_BWD_STAGGER_NS.
 WINDOW_BWD_STAGGER_NS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STAGGER_NS", "0"))
+#: Register-window backward: thread 0 of every row CTA prints ``cta_clock bx by smid start end``
+#: (global timer, ns, read at the CTA's start and after its slab is written) when it ends, so a
+#: launch's CTAs can be sorted by SM, start and duration (NOTES rows 160-161: which CTAs make the
+#: busiest SM). Off (the default) emits no code. Diagnostic knob, CSA_FRONTEND_CTA_CLOCKS=1.
+CTA_CLOCKS = os.environ.get("CSA_FRONTEND_CTA_CLOCKS", "0") == "1"
 
 #: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream
 #: launch at once and waits (``griddepcontrol.wait``) for the previous one to finish and flush

@@ -24,7 +24,7 @@ from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_asyn
                      load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
+from .schedule import CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
 
 
 class WindowBackward(BackwardKernel):
@@ -53,6 +53,7 @@ class WindowBackward(BackwardKernel):
         gGKV = cute.zipped_divide(mGKV, (1, vec))
         gGS = cute.zipped_divide(mGS, (1, vec))
         if bx < row_groups:
+            t_start = cute.arch.globaltimer() if cutlass.const_expr(CTA_CLOCKS) else None
             staged = can_stage(vec)
             sBuf = stage_buffers(width, self.sched.threads, vec, 1, self.stages) if cutlass.const_expr(staged) else None
             gGO = cute.zipped_divide(mGO, (1, vec))
@@ -119,6 +120,10 @@ class WindowBackward(BackwardKernel):
                         # its segment's last block: nobody consumes its first-half columns, nor the tail
                         self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
+            if cutlass.const_expr(CTA_CLOCKS):
+                if tidx == 0:
+                    cute.printf("cta_clock {} {} {} {} {}", bx, by, cute.arch.smid(), t_start,
+                                cute.arch.globaltimer())
         else:
             # zero-fill CTAs: one row lane per short segment, then tokens past the last segment
             zb = bx - row_groups
