@@ -1,7 +1,7 @@
 """The benchmark tools on CPU: the ``--shapes`` items (indices into its SHAPES table or explicit
 shapes), the tail probe's reduction swap, the rotated copies, the ptxas report parser, the
 stream-grid A/B's variants, the size sweep's fit, the targets check, the contract-risk model,
-the profiling driver's shape check and the SM-layout probe's analysis."""
+the profiling driver's shape check, the SM-layout probe's analysis and the CTA-clock summary."""
 import os
 import sys
 
@@ -251,3 +251,22 @@ def test_sm_layout_probe_analysis():
     assert probe.co_located_groups(6, launches) == [[0, 1, 2, 3], [4], [5]]
     records = [(0, 0, 2000), (1, 100, 4100), (4, 0, 1000), (9, wrap - 500, 1500)]
     assert probe.durations_by_group(records, [[0, 1], [4]]) == [(-1, 1, 2.0, 2.0), (0, 2, 3.0, 4.0), (1, 1, 1.0, 1.0)]
+
+
+@pytest.mark.L0
+def test_cta_clocks_groups_launches_and_finds_the_slow_ctas():
+    """cta_clocks.py: records split into launches by start time, the slowest tenth named with
+    the other CTA on its SM, and its overlap with the launch before counted."""
+    import cta_clocks
+
+    lines = ["noise", "cta_clock 1 0 7 1000 41000", "cta_clock 0 0 7 1200 31200", "cta_clock 2 0 9 900 30900"]
+    lines += ["cta_clock 0 0 7 500000 530000", "cta_clock 1 0 9 500000 560000", "cta_clock 2 0 9 500050 520050"]
+    clocks = cta_clocks.parse(lines)
+    assert len(clocks) == 6 and clocks[0] == cta_clocks.Clock(1, 0, 7, 1000, 41000) and clocks[0].us == 40.0
+    first, second = cta_clocks.launches(clocks)
+    assert [c.bx for c in first] == [2, 1, 0] and [c.bx for c in second] == [0, 1, 2]
+    assert cta_clocks.slowest(first) == [clocks[0]]
+    text = "\n".join(cta_clocks.report(second, first))
+    assert "slow: bx 1 by 0 on SM 9: 60.0 us (same SM: 20.0)" in text
+    assert "shared with the launch before: 1 of 1 CTAs, 0 of 1 SMs" in text
+    assert "SM finished at us: first 30.0, median 45.0, last 60.0" in text

@@ -1023,8 +1023,10 @@ LOOKUP_ONE_ROUND = _per_direction({"fwd": 4, "bwd": 0, "stream_fwd": 4, "stream_
 WINDOW_BWD_STAGGER_NS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STAGGER_NS", "0"))
 #: Register-window backward: thread 0 of every row CTA prints ``cta_clock bx by smid start end``
 #: (global timer, ns, read at the CTA's start and after its slab is written) when it ends, so a
-#: launch's CTAs can be sorted by SM, start and duration (NOTES rows 160-161: which CTAs make the
-#: busiest SM). Off (the default) emits no code. Diagnostic knob, CSA_FRONTEND_CTA_CLOCKS=1.
+#: launch's CTAs can be sorted by SM, start and duration (``benchmark/csa/cta_clocks.py``; NOTES
+#: rows 160-162: which CTAs make the busiest SM). The printf perturbs kernels near the register
+#: limit (the 128-register coff-2 backward ran 9x slower with it; coff 1 ran at its usual time).
+#: Off (the default) emits no code. Diagnostic knob, CSA_FRONTEND_CTA_CLOCKS=1.
 CTA_CLOCKS = os.environ.get("CSA_FRONTEND_CTA_CLOCKS", "0") == "1"
 
 #: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream

@@ -1,0 +1,103 @@
+"""Summarise the register-window backward's per-CTA clocks (``CSA_FRONTEND_CTA_CLOCKS=1``).
+
+With the knob on, thread 0 of every row CTA prints ``cta_clock bx by smid start end`` (global
+timer, ns) as it ends. Pipe a run of back-to-back launches through this script to see, per
+launch, how CTA durations and SM finishing times spread, which CTAs ran slowest (and how long
+the other CTA on the same SM took), and whether the slowest tenth repeats from one launch to the
+next (same CTAs, same SMs) or is drawn afresh:
+
+    CSA_FRONTEND_CTA_CLOCKS=1 python profile_calls.py --shape 3x8192x4x1x512 --direction bwd \\
+        --calls 4 | python cta_clocks.py
+
+The device printf can perturb a kernel near its register limit (session 50: the 128-register
+coff-2 backward ran 9x slower with it), so check the launch's time against a run without it.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import Counter, defaultdict
+from typing import Iterable, List, NamedTuple
+
+#: Records further apart than this in start time belong to different launches.
+LAUNCH_GAP_NS = 20_000
+
+
+class Clock(NamedTuple):
+    bx: int
+    by: int
+    sm: int
+    start: int
+    end: int
+
+    @property
+    def us(self) -> float:
+        return (self.end - self.start) / 1000
+
+
+def parse(lines: Iterable[str]) -> List[Clock]:
+    """The ``cta_clock`` records among ``lines`` (anything else is skipped)."""
+    out = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 6 and fields[0] == "cta_clock":
+            out.append(Clock(*map(int, fields[1:])))
+    return out
+
+
+def launches(clocks: List[Clock], gap_ns: int = LAUNCH_GAP_NS) -> List[List[Clock]]:
+    """Records grouped into launches by start time (a launch's CTAs start within ~1 us)."""
+    ordered = sorted(clocks, key=lambda c: c.start)
+    groups: List[List[Clock]] = []
+    for c in ordered:
+        if groups and c.start - groups[-1][-1].start <= gap_ns:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def slowest(launch: List[Clock], share: float = 0.1) -> List[Clock]:
+    """The slowest ``share`` of a launch's CTAs (at least one), slowest first."""
+    k = max(1, round(share * len(launch)))
+    return sorted(launch, key=lambda c: -c.us)[:k]
+
+
+def report(launch: List[Clock], previous: "List[Clock] | None" = None, show: int = 8) -> List[str]:
+    """Lines describing one launch (and how its slowest tenth overlaps ``previous``'s)."""
+    t0 = min(c.start for c in launch)
+    durations = sorted(c.us for c in launch)
+    n = len(durations)
+    by_sm = defaultdict(list)
+    for c in launch:
+        by_sm[c.sm].append(c)
+    sm_end = sorted((max(c.end for c in v) - t0) / 1000 for v in by_sm.values())
+    lines = [f"{n} CTAs on {len(by_sm)} SMs ({dict(sorted(Counter(len(v) for v in by_sm.values()).items()))} "
+             f"CTAs per SM); starts within {(max(c.start for c in launch) - t0) / 1000:.2f} us",
+             f"  CTA us: min {durations[0]:.1f}, p10 {durations[n // 10]:.1f}, median "
+             f"{statistics.median(durations):.1f}, p90 {durations[9 * n // 10]:.1f}, max {durations[-1]:.1f}",
+             f"  SM finished at us: first {sm_end[0]:.1f}, median {statistics.median(sm_end):.1f}, "
+             f"last {sm_end[-1]:.1f}"]
+    for c in slowest(launch)[:show]:
+        partners = ", ".join(f"{p.us:.1f}" for p in by_sm[c.sm] if p is not c) or "-"
+        lines.append(f"  slow: bx {c.bx} by {c.by} on SM {c.sm}: {c.us:.1f} us (same SM: {partners})")
+    if previous:
+        now, before = slowest(launch), slowest(previous)
+        same_cta = len({(c.bx, c.by) for c in now} & {(c.bx, c.by) for c in before})
+        same_sm = len({c.sm for c in now} & {c.sm for c in before})
+        lines.append(f"  slowest tenth shared with the launch before: {same_cta} of {len(now)} CTAs, "
+                     f"{same_sm} of {len({c.sm for c in now})} SMs")
+    return lines
+
+
+def main() -> None:
+    groups = launches(parse(sys.stdin))
+    print(f"{len(groups)} launches")
+    previous = None
+    for i, launch in enumerate(groups):
+        print(f"launch {i}: " + "\n".join(report(launch, previous)))
+        previous = launch
+
+
+if __name__ == "__main__":
+    main()
