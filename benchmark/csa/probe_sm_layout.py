@@ -91,6 +91,17 @@ def durations_by_group(records: Sequence[Tuple[int, int, int]], groups: Sequence
     return [(g, len(v), statistics.mean(v), max(v)) for g, v in sorted(by_group.items())]
 
 
+@cute.jit
+def record_cta(rec: cute.Tensor, bx: Int32, t0: Int64):
+    """Once every thread of the CTA is done, thread 0 writes its (SM, start, end) row of ``rec``."""
+    cute.arch.sync_threads()
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        rec[bx, 0] = cute.arch.smid()
+        rec[bx, 1] = Int32(t0 & 0x7FFFFFFF)
+        rec[bx, 2] = Int32(cute.arch.globaltimer() & 0x7FFFFFFF)
+
+
 class ClusterProbe:
     """Thread 0 of each CTA records (SM, cluster, start) and spins; the shared memory it holds
     sets how many CTAs fit per SM."""
@@ -141,11 +152,7 @@ class StreamProbe:
             y = gB[(None, j)].load()
             gC[(None, j)].store(x)
             gD[(None, j)].store(y)
-        cute.arch.sync_threads()
-        if tidx == 0:
-            rec[bx, 0] = cute.arch.smid()
-            rec[bx, 1] = Int32(t0 & 0x7FFFFFFF)
-            rec[bx, 2] = Int32(cute.arch.globaltimer() & 0x7FFFFFFF)
+        record_cta(rec, bx, t0)
 
     @cute.jit
     def __call__(self, a, b, c, d, rec, n: Int32):
@@ -168,11 +175,7 @@ class ChaseProbe:
         for _ in cutlass.range(self.hops, unroll=1):
             i = nxt[i]
         sink[bx * self.threads + tidx] = i
-        cute.arch.sync_threads()
-        if tidx == 0:
-            rec[bx, 0] = cute.arch.smid()
-            rec[bx, 1] = Int32(t0 & 0x7FFFFFFF)
-            rec[bx, 2] = Int32(cute.arch.globaltimer() & 0x7FFFFFFF)
+        record_cta(rec, bx, t0)
 
     @cute.jit
     def __call__(self, nxt, sink, rec, n: Int32):
