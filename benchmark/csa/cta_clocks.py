@@ -19,7 +19,9 @@ import sys
 from collections import Counter, defaultdict
 from typing import Iterable, List, NamedTuple
 
-#: Records further apart than this in start time belong to different launches.
+#: Records further apart than this in start time belong to different launches: a launch's CTAs
+#: start within about a microsecond of each other, and launches of the shapes this serves last
+#: tens of microseconds (shorter ones would merge).
 LAUNCH_GAP_NS = 20_000
 
 
