@@ -80,11 +80,12 @@ def report(launch: List[Clock], previous: "List[Clock] | None" = None, show: int
              f"{statistics.median(durations):.1f}, p90 {durations[9 * n // 10]:.1f}, max {durations[-1]:.1f}",
              f"  SM finished at us: first {sm_end[0]:.1f}, median {statistics.median(sm_end):.1f}, "
              f"last {sm_end[-1]:.1f}"]
-    for c in slowest(launch)[:show]:
+    now = slowest(launch)
+    for c in now[:show]:
         partners = ", ".join(f"{p.us:.1f}" for p in by_sm[c.sm] if p is not c) or "-"
         lines.append(f"  slow: bx {c.bx} by {c.by} on SM {c.sm}: {c.us:.1f} us (same SM: {partners})")
     if previous:
-        now, before = slowest(launch), slowest(previous)
+        before = slowest(previous)
         same_cta = len({(c.bx, c.by) for c in now} & {(c.bx, c.by) for c in before})
         same_sm = len({c.sm for c in now} & {c.sm for c in before})
         lines.append(f"  slowest tenth shared with the launch before: {same_cta} of {len(now)} CTAs, "

@@ -1,6 +1,6 @@
 """How the device places CTAs and whether its SMs stream at the same speed (session 50).
 
-Two probes, both kernels that do nothing but record where and when their CTAs ran:
+Three probes, kernels that do nothing but record where and when their CTAs ran:
 
 * ``clusters``: CTAs launched in thread-block clusters of 1-16, held one or two per SM by shared
   memory, each spinning 200 us. The CTAs that start in the first 100 us are the clusters that
@@ -9,7 +9,6 @@ Two probes, both kernels that do nothing but record where and when their CTAs ra
 * ``stream``: every CTA moves the same bytes of its own region (two 16-byte reads and two writes
   per step, like the window backward's row walk) and records its SM and duration; grouped by
   that GPC map, this shows whether some SMs or GPCs stream slower.
-
 * ``chase``: one warp per SM follows chains of dependent loads through 1 GiB (latency only),
   grouped the same way: whether some SMs wait longer for DRAM.
 
@@ -36,8 +35,6 @@ from cutlass.memory import SmemAllocator
 #: (the cluster probe's CTAs spin twice as long).
 FIRST_WAVE_NS = 100_000
 SPIN_NS = 200_000
-
-
 #: The kernels record the global timer's low 31 bits (it wraps every ~2.1 s).
 TIMER_WRAP = 1 << 31
 
