@@ -11,6 +11,10 @@ next (same CTAs, same SMs) or is drawn afresh:
 
 The device printf can perturb a kernel near its register limit (session 50: the 128-register
 coff-2 backward ran 9x slower with it), so check the launch's time against a run without it.
+Grids of more than one wave are worse off: in session 51's 1x65536 r4 c1 d512 run the second
+wave started ~270 us after the first wave's last ``end`` stamp (~40 us), so the CTAs kept their
+slots long after stamping (the printf is the suspect) and only the first wave's durations mean
+anything.
 """
 from __future__ import annotations
 
@@ -18,12 +22,6 @@ import statistics
 import sys
 from collections import Counter, defaultdict
 from typing import Iterable, List, NamedTuple
-
-#: Records further apart than this in start time belong to different launches: a launch's CTAs
-#: start within about a microsecond of each other, and launches of the shapes this serves last
-#: tens of microseconds (shorter ones would merge).
-LAUNCH_GAP_NS = 20_000
-
 
 class Clock(NamedTuple):
     bx: int
@@ -47,15 +45,19 @@ def parse(lines: Iterable[str]) -> List[Clock]:
     return out
 
 
-def launches(clocks: List[Clock], gap_ns: int = LAUNCH_GAP_NS) -> List[List[Clock]]:
-    """Records grouped into launches by start time (a launch's CTAs start within ~1 us)."""
-    ordered = sorted(clocks, key=lambda c: c.start)
+def launches(clocks: List[Clock]) -> List[List[Clock]]:
+    """Records grouped into launches: in start order, a launch ends where one of its CTAs comes
+    again. Back-to-back backwards never overlap (each waits for the grad_ape reduction, which
+    waits for the whole main grid), while a grid of more CTAs than slots starts its later waves
+    tens of microseconds after its first, so start-time gaps cannot tell launches apart."""
     groups: List[List[Clock]] = []
-    for c in ordered:
-        if groups and c.start - groups[-1][-1].start <= gap_ns:
-            groups[-1].append(c)
-        else:
-            groups.append([c])
+    seen: set = set()
+    for c in sorted(clocks, key=lambda c: c.start):
+        if not groups or (c.bx, c.by) in seen:
+            groups.append([])
+            seen = set()
+        groups[-1].append(c)
+        seen.add((c.bx, c.by))
     return groups
 
 
@@ -75,7 +77,7 @@ def report(launch: List[Clock], previous: "List[Clock] | None" = None, show: int
         by_sm[c.sm].append(c)
     sm_end = sorted((max(c.end for c in v) - t0) / 1000 for v in by_sm.values())
     lines = [f"{n} CTAs on {len(by_sm)} SMs ({dict(sorted(Counter(len(v) for v in by_sm.values()).items()))} "
-             f"CTAs per SM); starts within {(max(c.start for c in launch) - t0) / 1000:.2f} us",
+             f"CTAs per SM); starts spread over {(max(c.start for c in launch) - t0) / 1000:.2f} us",
              f"  CTA us: min {durations[0]:.1f}, p10 {durations[n // 10]:.1f}, median "
              f"{statistics.median(durations):.1f}, p90 {durations[9 * n // 10]:.1f}, max {durations[-1]:.1f}",
              f"  SM finished at us: first {sm_end[0]:.1f}, median {statistics.median(sm_end):.1f}, "
@@ -93,12 +95,32 @@ def report(launch: List[Clock], previous: "List[Clock] | None" = None, show: int
     return lines
 
 
+def placement(launch: List[Clock], bands: int = 4) -> List[str]:
+    """Whether a CTA's duration follows its place: alone on its SM, or the lower or the higher
+    block index of an SM's pair (the hardware hands out block indices in order, so the higher
+    one was placed second), and the mean duration per band of block indices."""
+    by_sm = defaultdict(list)
+    for c in launch:
+        by_sm[c.sm].append(c)
+    alone = [v[0].us for v in by_sm.values() if len(v) == 1]
+    pairs = [sorted(v, key=lambda c: (c.bx, c.by)) for v in by_sm.values() if len(v) == 2]
+    mean = lambda xs: f"{statistics.fmean(xs):.1f}" if xs else "-"  # noqa: E731
+    lines = [f"  mean us: alone {mean(alone)} ({len(alone)}), pair's lower bx {mean([p[0].us for p in pairs])}, "
+             f"higher bx {mean([p[1].us for p in pairs])} ({len(pairs)} pairs)"]
+    top = max(c.bx for c in launch) + 1
+    width = -(-top // bands)
+    band_us = [[c.us for c in launch if c.bx // width == b] for b in range(bands)]
+    lines.append("  mean us by bx band: " + ", ".join(f"{b * width}-{min(top, (b + 1) * width) - 1}: {mean(u)}"
+                                                      for b, u in enumerate(band_us)))
+    return lines
+
+
 def main() -> None:
     groups = launches(parse(sys.stdin))
     print(f"{len(groups)} launches")
     previous = None
     for i, launch in enumerate(groups):
-        print(f"launch {i}: " + "\n".join(report(launch, previous)))
+        print(f"launch {i}: " + "\n".join(report(launch, previous) + placement(launch)))
         previous = launch
 
 

@@ -265,8 +265,16 @@ def test_cta_clocks_groups_launches_and_finds_the_slow_ctas():
     assert len(clocks) == 6 and clocks[0] == cta_clocks.Clock(1, 0, 7, 1000, 41000) and clocks[0].us == 40.0
     first, second = cta_clocks.launches(clocks)
     assert [c.bx for c in first] == [2, 1, 0] and [c.bx for c in second] == [0, 1, 2]
+    # a second wave starting long after the first stays in its launch; a repeated CTA starts the next
+    waves = cta_clocks.parse(["cta_clock 0 0 1 0 30000", "cta_clock 1 0 1 90000 99000",
+                              "cta_clock 0 0 1 99500 130000"])
+    assert [[c.bx for c in launch] for launch in cta_clocks.launches(waves)] == [[0, 1], [0]]
     assert cta_clocks.slowest(first) == [clocks[0]]
     text = "\n".join(cta_clocks.report(second, first))
     assert "slow: bx 1 by 0 on SM 9: 60.0 us (same SM: 20.0)" in text
     assert "shared with the launch before: 1 of 1 CTAs, 0 of 1 SMs" in text
     assert "SM finished at us: first 30.0, median 45.0, last 60.0" in text
+    # first launch: CTA 2 alone on SM 9; on SM 7 bx 0 (30 us) is the pair's lower index, bx 1 (40) the higher
+    placed = "\n".join(cta_clocks.placement(first, bands=2))
+    assert "alone 30.0 (1), pair's lower bx 30.0, higher bx 40.0 (1 pairs)" in placed
+    assert "by bx band: 0-1: 35.0, 2-2: 30.0" in placed
