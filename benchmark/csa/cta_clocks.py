@@ -47,9 +47,9 @@ def parse(lines: Iterable[str]) -> List[Clock]:
 
 def launches(clocks: List[Clock]) -> List[List[Clock]]:
     """Records grouped into launches: in start order, a launch ends where one of its CTAs comes
-    again. Back-to-back backwards never overlap (each waits for the grad_ape reduction, which
-    waits for the whole main grid), while a grid of more CTAs than slots starts its later waves
-    tens of microseconds after its first, so start-time gaps cannot tell launches apart."""
+    again. Launches do not overlap (a CTA stamps its start after ``enter_grid``'s wait for the
+    grid before it), while a grid of more CTAs than slots starts its later waves tens of
+    microseconds after its first, so start-time gaps cannot tell launches apart."""
     groups: List[List[Clock]] = []
     seen: set = set()
     for c in sorted(clocks, key=lambda c: c.start):
@@ -104,15 +104,18 @@ def placement(launch: List[Clock], bands: int = 4) -> List[str]:
         by_sm[c.sm].append(c)
     alone = [v[0].us for v in by_sm.values() if len(v) == 1]
     pairs = [sorted(v, key=lambda c: (c.bx, c.by)) for v in by_sm.values() if len(v) == 2]
-    mean = lambda xs: f"{statistics.fmean(xs):.1f}" if xs else "-"  # noqa: E731
-    lines = [f"  mean us: alone {mean(alone)} ({len(alone)}), pair's lower bx {mean([p[0].us for p in pairs])}, "
-             f"higher bx {mean([p[1].us for p in pairs])} ({len(pairs)} pairs)"]
+    lines = [f"  mean us: alone {_mean(alone)} ({len(alone)}), pair's lower bx {_mean([p[0].us for p in pairs])}, "
+             f"higher bx {_mean([p[1].us for p in pairs])} ({len(pairs)} pairs)"]
     top = max(c.bx for c in launch) + 1
     width = -(-top // bands)
     band_us = [[c.us for c in launch if c.bx // width == b] for b in range(bands)]
-    lines.append("  mean us by bx band: " + ", ".join(f"{b * width}-{min(top, (b + 1) * width) - 1}: {mean(u)}"
+    lines.append("  mean us by bx band: " + ", ".join(f"{b * width}-{min(top, (b + 1) * width) - 1}: {_mean(u)}"
                                                       for b, u in enumerate(band_us)))
     return lines
+
+
+def _mean(values: List[float]) -> str:
+    return f"{statistics.fmean(values):.1f}" if values else "-"
 
 
 def main() -> None:
