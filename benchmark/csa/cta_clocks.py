@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import Counter, defaultdict
-from typing import Iterable, List, NamedTuple
+from typing import Dict, Iterable, List, NamedTuple
 
 class Clock(NamedTuple):
     bx: int
@@ -61,6 +61,14 @@ def launches(clocks: List[Clock]) -> List[List[Clock]]:
     return groups
 
 
+def per_sm(launch: List[Clock]) -> Dict[int, List[Clock]]:
+    """A launch's records by the SM they ran on."""
+    by_sm: Dict[int, List[Clock]] = defaultdict(list)
+    for c in launch:
+        by_sm[c.sm].append(c)
+    return by_sm
+
+
 def slowest(launch: List[Clock], share: float = 0.1) -> List[Clock]:
     """The slowest ``share`` of a launch's CTAs (at least one), slowest first."""
     k = max(1, round(share * len(launch)))
@@ -72,9 +80,7 @@ def report(launch: List[Clock], previous: "List[Clock] | None" = None, show: int
     t0 = min(c.start for c in launch)
     durations = sorted(c.us for c in launch)
     n = len(durations)
-    by_sm = defaultdict(list)
-    for c in launch:
-        by_sm[c.sm].append(c)
+    by_sm = per_sm(launch)
     sm_end = sorted((max(c.end for c in v) - t0) / 1000 for v in by_sm.values())
     lines = [f"{n} CTAs on {len(by_sm)} SMs ({dict(sorted(Counter(len(v) for v in by_sm.values()).items()))} "
              f"CTAs per SM); starts spread over {(max(c.start for c in launch) - t0) / 1000:.2f} us",
@@ -99,9 +105,7 @@ def placement(launch: List[Clock], bands: int = 4) -> List[str]:
     """Whether a CTA's duration follows its place: alone on its SM, or the lower or the higher
     block index of an SM's pair (the hardware hands out block indices in order, so the higher
     one was placed second), and the mean duration per band of block indices."""
-    by_sm = defaultdict(list)
-    for c in launch:
-        by_sm[c.sm].append(c)
+    by_sm = per_sm(launch)
     alone = [v[0].us for v in by_sm.values() if len(v) == 1]
     pairs = [sorted(v, key=lambda c: (c.bx, c.by)) for v in by_sm.values() if len(v) == 2]
     lines = [f"  mean us: alone {_mean(alone)} ({len(alone)}), pair's lower bx {_mean([p[0].us for p in pairs])}, "

@@ -179,21 +179,21 @@ class ChaseProbe:
         self.kernel(nxt, sink, rec).launch(grid=(n, 1, 1), block=(self.threads, 1, 1))
 
 
-def _cluster_launch(probe_cls, cluster: int, per_sm: int, n: int):
+def _cluster_launch(cluster: int, per_sm: int, n: int):
     smem = {1: 160 << 10, 2: 100 << 10}[per_sm]
     rec = torch.full((n, 3), -1, dtype=torch.int32, device="cuda")
-    fn = cute.compile(probe_cls(cluster, smem, 256), from_dlpack(rec), Int64(0), Int32(n))
+    fn = cute.compile(ClusterProbe(cluster, smem, 256), from_dlpack(rec), Int64(0), Int32(n))
     fn(from_dlpack(rec), Int64(SPIN_NS), Int32(n))
     torch.cuda.synchronize()
     return rec.cpu().tolist()
 
 
-def map_gpcs(probe_cls, n_sms: int) -> List[List[int]]:
+def map_gpcs(n_sms: int) -> List[List[int]]:
     """SM groups sharing a GPC, from a few launches of clusters of 16, 8, 4 and 2."""
     launches = []
     for cluster in (16, 8, 4, 2):
         for _ in range(3):
-            rows = _cluster_launch(probe_cls, cluster, 1, (n_sms // cluster) * cluster)
+            rows = _cluster_launch(cluster, 1, (n_sms // cluster) * cluster)
             launches.append([(r[0], r[1]) for r in rows])
     return co_located_groups(n_sms, launches)
 
@@ -202,15 +202,15 @@ def run_clusters(n_sms: int) -> None:
     for per_sm in (1, 2):
         for cluster in (1, 2, 4, 8, 16):
             n = (n_sms * per_sm // cluster) * cluster
-            rows = _cluster_launch(ClusterProbe, cluster, per_sm, n)
+            rows = _cluster_launch(cluster, per_sm, n)
             first = first_wave([r[2] for r in rows])
             print(f"clusters of {cluster:2d}, {per_sm} CTA(s) per SM, {n} CTAs: {first} start at once "
                   f"({first // cluster} clusters) on {len({r[0] for r in rows})} SMs")
-    print("SMs sharing a GPC:", map_gpcs(ClusterProbe, n_sms))
+    print("SMs sharing a GPC:", map_gpcs(n_sms))
 
 
 def run_stream(n_sms: int) -> None:
-    groups = map_gpcs(ClusterProbe, n_sms)
+    groups = map_gpcs(n_sms)
     print("SMs sharing a GPC:", groups)
     for ctas, threads in ((256, 256), (2 * n_sms, 256), (128, 512)):
         steps = 192 * 256 // threads  # 768 KB of each of the four arrays per CTA
@@ -234,7 +234,7 @@ def run_stream(n_sms: int) -> None:
 
 def run_chase(n_sms: int) -> None:
     """Dependent-load latency per CTA (one CTA of one warp per SM), grouped like ``stream``."""
-    groups = map_gpcs(ClusterProbe, n_sms)
+    groups = map_gpcs(n_sms)
     n = 1 << 28  # 1 GiB of int32: far past the L2
     perm = torch.randperm(n, device="cuda", dtype=torch.int64)
     nxt = torch.empty(n, dtype=torch.int32, device="cuda")

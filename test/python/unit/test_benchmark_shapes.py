@@ -255,8 +255,9 @@ def test_sm_layout_probe_analysis():
 
 @pytest.mark.L0
 def test_cta_clocks_groups_launches_and_finds_the_slow_ctas():
-    """cta_clocks.py: records split into launches by start time, the slowest tenth named with
-    the other CTA on its SM, and its overlap with the launch before counted."""
+    """cta_clocks.py: records split into launches where a CTA repeats, the slowest tenth named
+    with the other CTA on its SM, its overlap with the launch before counted, and CTA times by
+    placement on the SM and by block-index band."""
     import cta_clocks
 
     lines = ["noise", "cta_clock 1 0 7 1000 41000", "cta_clock 0 0 7 1200 31200", "cta_clock 2 0 9 900 30900"]
