@@ -244,6 +244,27 @@ def test_window_backward_pipeline_depth_knob_compiles(ratio, coff, head_dim, mon
     assert main is not None and reduce is not None
 
 
+@pytest.mark.L1
+def test_column_cluster_knob_changes_the_launch_not_the_kernel(monkeypatch, tmp_path):
+    """``CSA_FRONTEND_STREAM_BWD_CLUSTER`` is a launch attribute: the stream backward compiles
+    with it and its PTX is the default's."""
+    from csa_frontend.compressor.kernels import schedule
+    sched = choose_schedule(128, 2, 512, "bwd")
+
+    def default_then_clustered():
+        default = dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
+        monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 2)
+        assert schedule.bwd_column_cluster(sched) == 2
+        return default, dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
+
+    default, clustered = kernel_ptx(default_then_clustered, monkeypatch, tmp_path)
+    assert clustered == default
+    from csa_frontend.compressor.kernels.stream_bwd import StreamBackward
+    assert StreamBackward(128, 2, 512, sched).launch_cluster() == (1, 2, 1)
+    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 1)
+    assert StreamBackward(128, 2, 512, sched).launch_cluster() is None
+
+
 EXACT_RECIPROCAL = re.compile(r"\b(?:rcp|div)\.rn\.f32\b")
 
 

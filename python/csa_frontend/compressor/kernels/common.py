@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
+from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED, bwd_column_cluster
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -375,9 +375,15 @@ class BackwardKernel(PoolingKernel):
                     rows_per_group, row_groups, zero_ctas, interleaved).launch(
             grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
+            cluster=self.launch_cluster(),
             stream=stream,
             use_pdl=self.pdl,
         )
+
+    def launch_cluster(self):
+        """Cluster dims of the launch (``schedule.bwd_column_cluster``), None for none."""
+        n = bwd_column_cluster(self.sched)
+        return (1, n, 1) if n > 1 else None
 
 
 @cute.jit

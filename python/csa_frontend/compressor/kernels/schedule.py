@@ -449,6 +449,28 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
     return sched.col_threads <= 32 and groups > 1 and 0 < STREAM_BWD_COMBINE_GROUPS <= groups
 
 
+#: Stream backward: column tiles launched as thread-block clusters of this many CTAs (cluster
+#: dims (1, n, 1)), so that CTAs reading neighbouring pieces of the same token rows (8 column
+#: threads at vec 4 read 64 bytes of each row: half a 128-byte line) start together on one GPC.
+#: An experiment, not measured yet: on the H100 the r128 coff-2 backwards (8 column threads) move
+#: ~100 MB more DRAM traffic than on the H200, whose L2 counts 1.44x as many read lookup misses as
+#: read sectors for them (NOTES row 164). 1, the default, launches no clusters. Tuning knob,
+#: CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
+STREAM_BWD_COLUMN_CLUSTER = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_CLUSTER", "1"))
+PORTABLE_CLUSTER_SIZES = (1, 2, 4, 8)
+
+
+def bwd_column_cluster(sched: "Schedule") -> int:
+    """CTAs per thread-block cluster along the column tiles of a backward launch of ``sched``:
+    ``STREAM_BWD_COLUMN_CLUSTER`` for stream schedules whose column tiles it divides, else 1."""
+    n = STREAM_BWD_COLUMN_CLUSTER
+    if n not in PORTABLE_CLUSTER_SIZES:
+        raise ValueError(f"CSA_FRONTEND_STREAM_BWD_CLUSTER: expected one of {PORTABLE_CLUSTER_SIZES}, got {n}")
+    if sched.family != "stream" or sched.col_tiles % n:
+        return 1
+    return n
+
+
 #: Stream forward: whether the cp.async row pipeline is used, per coff (else kv and score load
 #: straight from global). Tuning knob, e.g. CSA_FRONTEND_STREAM_FWD_STAGED="c1=1,c2=1".
 #: Measured on the H200: staging helps coff 1 (r64 c1 d512 38.4 -> 37.1 us) and, since the
