@@ -713,14 +713,14 @@ def test_backward_column_clusters_only_when_asked_and_where_they_tile(monkeypatc
     """``CSA_FRONTEND_STREAM_BWD_CLUSTER`` (an experiment): off by default; set, stream backward
     launches whose column tiles it divides take clusters of that many column tiles, the others
     (and every window backward) none; sizes outside the portable 1/2/4/8 are refused by name."""
-    r128 = sch.choose_schedule(128, 2, 512, "bwd")   # 16 column tiles
-    odd = sch.choose_schedule(128, 2, 24, "bwd")      # one column tile
+    r128 = sch.choose_schedule(128, 2, 512, "bwd")
+    one_tile = sch.choose_schedule(128, 2, 24, "bwd")
     window = sch.choose_schedule(4, 2, 512, "bwd")
-    assert (r128.family, r128.col_tiles, odd.family, odd.col_tiles, window.family) == (
+    assert (r128.family, r128.col_tiles, one_tile.family, one_tile.col_tiles, window.family) == (
         "stream", 16, "stream", 1, "window")
-    assert [sch.bwd_column_cluster(s) for s in (r128, odd, window)] == [1, 1, 1]
+    assert [sch.bwd_column_cluster(s) for s in (r128, one_tile, window)] == [1, 1, 1]
     monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 2)
-    assert [sch.bwd_column_cluster(s) for s in (r128, odd, window)] == [2, 1, 1]
+    assert [sch.bwd_column_cluster(s) for s in (r128, one_tile, window)] == [2, 1, 1]
     monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 3)
     with pytest.raises(ValueError, match="CSA_FRONTEND_STREAM_BWD_CLUSTER"):
         sch.bwd_column_cluster(r128)
