@@ -454,8 +454,8 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
 #: threads at vec 4 read 64 bytes of each row: half a 128-byte line) start together on one GPC.
 #: An experiment, not measured yet: on the H100 the r128 coff-2 d512 backward (8 column threads)
 #: moves an estimated ~100 MB more DRAM traffic than on the H200, whose L2 counts 1.44x as many
-#: read lookup misses as read sectors for it (NOTES row 164). 1, the default, launches no clusters. Tuning knob,
-#: CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
+#: read lookup misses as read sectors for it (NOTES row 164). 1, the default, launches no
+#: clusters. Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
 STREAM_BWD_COLUMN_CLUSTER = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_CLUSTER", "1"))
 PORTABLE_CLUSTER_SIZES = (1, 2, 4, 8)
 
