@@ -247,22 +247,27 @@ def test_window_backward_pipeline_depth_knob_compiles(ratio, coff, head_dim, mon
 @pytest.mark.L1
 def test_column_cluster_knob_changes_the_launch_not_the_kernel(monkeypatch, tmp_path):
     """``CSA_FRONTEND_STREAM_BWD_CLUSTER`` is a launch attribute: the stream backward compiles
-    with it and its PTX is the default's."""
+    with clusters (the sm_90a default) and without, to the same PTX; sm_80 launches none."""
     from csa_frontend.compressor.kernels import schedule
     sched = choose_schedule(128, 2, 512, "bwd")
 
-    def default_then_clustered():
-        default = dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
-        monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 2)
-        assert schedule.bwd_column_cluster(sched) == 2
-        return default, dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
+    def clustered_then_default_off():
+        assert schedule.bwd_column_cluster(sched, "sm_90a") == 2
+        clustered = dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
+        monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 1)
+        return clustered, dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
 
-    default, clustered = kernel_ptx(default_then_clustered, monkeypatch, tmp_path)
-    assert clustered == default
+    clustered, unclustered = kernel_ptx(clustered_then_default_off, monkeypatch, tmp_path)
+    assert clustered == unclustered
     from csa_frontend.compressor.kernels.stream_bwd import StreamBackward
-    assert StreamBackward(128, 2, 512, sched).launch_cluster() == (1, 2, 1)
-    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 1)
+    assert StreamBackward(128, 2, 512, sched, column_cluster=2).launch_cluster() == (1, 2, 1)
     assert StreamBackward(128, 2, 512, sched).launch_cluster() is None
+    built = []  # the kernel objects dispatch builds per arch (atomic: no reduction compiled)
+    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 2)
+    monkeypatch.setattr(dispatch, "_compile_resident", lambda op, *a, arch: (built.append(op), (None, 0))[1])
+    for arch, want in (("sm_90a", (1, 2, 1)), ("sm_80", None)):
+        dispatch._build_backward(128, 2, 512, sched, arch, atomic=True)
+        assert built[-1].launch_cluster() == want
 
 
 EXACT_RECIPROCAL = re.compile(r"\b(?:rcp|div)\.rn\.f32\b")

@@ -709,21 +709,31 @@ def test_combine_once_only_where_one_warp_spans_the_columns(monkeypatch, ratio, 
         assert sch.warp_groups(sched) >= sch.STREAM_BWD_COMBINE_GROUPS  # the case the rule is for
 
 
-def test_backward_column_clusters_only_when_asked_and_where_they_tile(monkeypatch):
-    """``CSA_FRONTEND_STREAM_BWD_CLUSTER`` (an experiment): off by default; set, stream backward
-    launches whose column tiles it divides take clusters of that many column tiles, the others
-    (and every window backward) none; sizes outside the portable 1/2/4/8 are refused by name."""
+def test_backward_column_clusters_where_they_tile_on_sm90(monkeypatch):
+    """``CSA_FRONTEND_STREAM_BWD_CLUSTER``: stream backward launches whose column tiles it
+    divides take clusters of that many column tiles on sm_90 and later (2 by default), the others
+    (one column tile, every window backward, sm_80 and an unnamed arch) none; 1 turns it off;
+    sizes outside the portable 1/2/4/8 are refused by name."""
     r128 = sch.choose_schedule(128, 2, 512, "bwd")
     one_tile = sch.choose_schedule(128, 2, 24, "bwd")
     window = sch.choose_schedule(4, 2, 512, "bwd")
     assert (r128.family, r128.col_tiles, one_tile.family, one_tile.col_tiles, window.family) == (
         "stream", 16, "stream", 1, "window")
-    assert [sch.bwd_column_cluster(s) for s in (r128, one_tile, window)] == [1, 1, 1]
-    monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 2)
-    assert [sch.bwd_column_cluster(s) for s in (r128, one_tile, window)] == [2, 1, 1]
+
+    def clusters(arch):
+        return [sch.bwd_column_cluster(s, arch) for s in (r128, one_tile, window)]
+
+    assert clusters("sm_90a") == clusters("sm_100a") == [2, 1, 1]
+    assert clusters("sm_80") == clusters(None) == [1, 1, 1]
+    monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 1)
+    assert clusters("sm_90a") == [1, 1, 1]
+    twelve = sch.choose_schedule(128, 2, 384, "bwd")
+    assert twelve.col_tiles == 12
+    monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 8)
+    assert (sch.bwd_column_cluster(r128, "sm_90a"), sch.bwd_column_cluster(twelve, "sm_90a")) == (8, 1)
     monkeypatch.setattr(sch, "STREAM_BWD_COLUMN_CLUSTER", 3)
     with pytest.raises(ValueError, match="CSA_FRONTEND_STREAM_BWD_CLUSTER"):
-        sch.bwd_column_cluster(r128)
+        sch.bwd_column_cluster(r128, "sm_90a")
 
 
 def test_few_rows_knob_off_means_never(monkeypatch):

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED, bwd_column_cluster
+from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -351,7 +351,12 @@ class BackwardKernel(PoolingKernel):
     ``rows_per_group`` rows per thread or per CTA as the family defines) plus ``zero_ctas``
     zero-fill CTAs, times the column tiles. ``interleaved``: a CTA's rows are spread over the
     pack instead of one contiguous run (``schedule.bwd_interleaved``; in the stream family only
-    where ``schedule.stream_bwd_may_interleave`` compiled it in)."""
+    where ``schedule.stream_bwd_may_interleave`` compiled it in). ``column_cluster``: CTAs per
+    thread-block cluster along the column tiles (``schedule.bwd_column_cluster``)."""
+
+    def __init__(self, *args, column_cluster: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.column_cluster = column_cluster
 
     @cute.jit
     def __call__(
@@ -381,8 +386,8 @@ class BackwardKernel(PoolingKernel):
         )
 
     def launch_cluster(self):
-        """Cluster dims of the launch (``schedule.bwd_column_cluster``), None for none."""
-        n = bwd_column_cluster(self.sched)
+        """Cluster dims of the launch, None for none."""
+        n = self.column_cluster
         return (1, n, 1) if n > 1 else None
 
 

@@ -31,6 +31,7 @@ from .schedule import (
     atomic_ape_pays,
     bulk_forward_schedule,
     bulk_forward_walk,
+    bwd_column_cluster,
     bwd_interleaved,
     bwd_row_groups,
     bwd_rows_per_thread,
@@ -218,7 +219,8 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     family = WindowBackward if sched.family == "window" else StreamBackward
-    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=arch_number(arch) >= 90)
+    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=arch_number(arch) >= 90,
+                column_cluster=bwd_column_cluster(sched, arch))
     one = cutlass.Int32(1)
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], one, one, one, one,
             stream)
