@@ -893,6 +893,32 @@ def test_guessed_first_rows_give_the_unguessed_bits(online_forward_off, monkeypa
 
 
 @pytest.mark.L1
+@pytest.mark.parametrize("pack", ["whole", "ragged"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 128), (16, 2, 256)])
+def test_clustered_stream_backward_gives_the_unclustered_bits(monkeypatch, pack, ratio, coff, head_dim):
+    """The stream backward's column tiles launch in thread-block clusters of two
+    (``STREAM_BWD_COLUMN_CLUSTER``, a launch attribute): every gradient, grad_ape included, gets
+    the bits of the launch without clusters, on the default grid (short packs: the few-rows
+    schedule) and with CTAs that walk many rows."""
+    from csa_frontend.compressor.kernels import dispatch
+    arch = dispatch.arch_of(torch.device("cuda", torch.cuda.current_device()))
+    if schedule.arch_number(arch) < schedule.CLUSTER_MIN_ARCH:
+        pytest.skip(f"{arch} launches no clusters")
+    monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 2)
+    assert schedule.bwd_column_cluster(choose_schedule(ratio, coff, head_dim, "bwd"), arch) == 2
+    cu, comp, n_tok, rows = pack_inputs(ratio, pack)
+    kv, score, ape = random_inputs(n_tok, ratio, coff, head_dim)
+    grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
+    sms = schedule.STREAM_GRID_SMS
+
+    def run(walk):
+        monkeypatch.setattr(schedule, "STREAM_GRID_SMS", 5 if walk else sms)  # 5 SMs' worth: long walks
+        return run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
+
+    assert_same_bits(with_and_without(monkeypatch, schedule, "STREAM_BWD_COLUMN_CLUSTER", run, values=(1, 2)))
+
+
+@pytest.mark.L1
 @pytest.mark.parametrize("pack", ["whole", "one_segment", "tails_in_whole_launch", "tokens_past_the_pack", "ragged"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 128), (20, 1, 96), (64, 1, 512), (16, 2, 256), (33, 2, 130)])
 def test_interleaved_stream_forward_walk_gives_the_contiguous_bits(online_forward_off, monkeypatch, pack, ratio, coff,
