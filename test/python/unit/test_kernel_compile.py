@@ -251,13 +251,13 @@ def test_column_cluster_knob_changes_the_launch_not_the_kernel(monkeypatch, tmp_
     from csa_frontend.compressor.kernels import schedule
     sched = choose_schedule(128, 2, 512, "bwd")
 
-    def clustered_then_default_off():
+    def clustered_then_unclustered():
         assert schedule.bwd_column_cluster(sched, "sm_90a") == 2
         clustered = dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
         monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 1)
         return clustered, dispatch._build_backward(128, 2, 512, sched, "sm_90a")[0]
 
-    clustered, unclustered = kernel_ptx(clustered_then_default_off, monkeypatch, tmp_path)
+    clustered, unclustered = kernel_ptx(clustered_then_unclustered, monkeypatch, tmp_path)
     assert clustered == unclustered
     from csa_frontend.compressor.kernels.stream_bwd import StreamBackward
     assert StreamBackward(128, 2, 512, sched, column_cluster=2).launch_cluster() == (1, 2, 1)

@@ -452,16 +452,16 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
 #: Stream backward: column tiles launched as thread-block clusters of this many CTAs (cluster
 #: dims (1, n, 1)), so that CTAs reading neighbouring pieces of the same token rows (8 column
 #: threads at vec 4 read 64 bytes of each row: half a 128-byte line) start together on one GPC
-#: and ask for each line once. Measured on the H100 (session 53, two alternating rounds, bwd us,
-#: 1 -> 2): 1x65536 r128 c2 d512 265.0, 266.0 -> 214.8, 214.9 (ncu: DRAM reads 325 -> 269 MB, the
-#: bytes that must move; L2 read lookup misses 1.37x -> 0.99x the read sectors), 1x131072 r128 c2
-#: d512 556.4, 555.5 -> 413.4, 414.0, 1x65536 r128 c2 d256 123.1, 122.4 -> 113.1, 113.2, r64 c2
-#: d512 217.8, 218.1 -> 212.9, 213.1 (1x65536); r128 c1 d128, r64 c1 d512, r16 c2 d256, 1x8192 r128 c2
-#: d128 and r200 c1 d192 within 1%; 4 lost on all three r128 c2 (1x65536 d512 315.7). The H200
-#: (same GH100 die and GPCs, faster memory) read no extra DRAM bytes here but counted the same
-#: 1.44x lookup misses (NOTES row 164); not yet measured with clusters. Clusters need sm_90:
-#: other arches launch none. 1 launches none. Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1,
-#: 2, 4 or 8).
+#: and ask for each line once. Measured on the H100 (session 53, alternating rounds, bwd us,
+#: 1 -> 2): 1x65536 r128 c2 d512 265.0, 266.0 -> 214.8, 214.9 (ncu: DRAM reads 325 -> 269 MB,
+#: the bytes that must be read; L2 read lookup misses 1.37x -> 0.99x the read sectors);
+#: 1x131072 r128 c2 d512 556.4, 555.5 -> 413.4, 414.0; 1x65536 r128 c2 d256 123.1, 122.4 ->
+#: 113.1, 113.2; 1x65536 r64 c2 d512 217.8, 218.1 -> 212.9, 213.1; r128 c1 d128, r64 c1 d512,
+#: r16 c2 d256, 1x8192 r128 c2 d128 and r200 c1 d192 within 1%. Clusters of 4 lost on all three
+#: r128 c2 rows (1x65536 d512 315.7). The H200 (the same GH100 die and GPCs, faster memory) read
+#: no extra DRAM bytes there but counted the same 1.44x lookup misses (NOTES row 164); not yet
+#: measured with clusters. Clusters need sm_90: other arches launch none; 1 launches none.
+#: Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
 STREAM_BWD_COLUMN_CLUSTER = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_CLUSTER", "2"))
 PORTABLE_CLUSTER_SIZES = (1, 2, 4, 8)
 CLUSTER_MIN_ARCH = 90
