@@ -902,7 +902,7 @@ def test_clustered_stream_backward_gives_the_unclustered_bits(monkeypatch, pack,
     schedule) and with CTAs that walk many rows."""
     from csa_frontend.compressor.kernels import dispatch
     arch = dispatch.arch_of(torch.device("cuda", torch.cuda.current_device()))
-    if schedule.arch_number(arch) < schedule.CLUSTER_MIN_ARCH:
+    if not schedule.sm90_or_later(arch):
         pytest.skip(f"{arch} launches no clusters")
     monkeypatch.setattr(schedule, "STREAM_BWD_COLUMN_CLUSTER", 2)
     assert schedule.bwd_column_cluster(choose_schedule(ratio, coff, head_dim, "bwd"), arch) == 2

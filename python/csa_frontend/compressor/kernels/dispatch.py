@@ -27,7 +27,6 @@ from .schedule import (
     PDL,
     Schedule,
     ape_split,
-    arch_number,
     atomic_ape_pays,
     bulk_forward_schedule,
     bulk_forward_walk,
@@ -43,6 +42,7 @@ from .schedule import (
     row_bucket_schedule,
     serial_forward_schedule,
     slab_bytes,
+    sm90_or_later,
     stream_row_ctas,
     takes_serial_forward,
     takes_wide_rows_schedule,
@@ -167,7 +167,7 @@ def _compile_resident(op, *args, arch: Optional[str]):
 def uses_pdl(arch: Optional[str]) -> bool:
     """Programmatic dependent launch (``griddepcontrol``) needs sm_90 or later; an unnamed
     arch gets none."""
-    return PDL and arch_number(arch) >= 90
+    return PDL and sm90_or_later(arch)
 
 
 def _build_forward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch: Optional[str],
@@ -219,7 +219,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     family = WindowBackward if sched.family == "window" else StreamBackward
-    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=arch_number(arch) >= 90,
+    op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=sm90_or_later(arch),
                 column_cluster=bwd_column_cluster(sched, arch))
     one = cutlass.Int32(1)
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], one, one, one, one,

@@ -344,6 +344,12 @@ def arch_number(arch: "str | None") -> int:
     return int("".join(filter(str.isdigit, arch or "")) or 0)
 
 
+def sm90_or_later(arch: "str | None") -> bool:
+    """Whether ``arch`` has the sm_90 features some launches use (programmatic dependent launch,
+    vector atomics, bulk copies, thread-block clusters); an unnamed arch counts as older."""
+    return arch_number(arch) >= 90
+
+
 @lru_cache(maxsize=None)
 def bulk_forward_schedule(ratio: int, coff: int, head_dim: int, arch: "str | None") -> "Schedule | None":
     """The bulk-copy schedule of the register-window forward, or None where it does not apply:
@@ -352,7 +358,7 @@ def bulk_forward_schedule(ratio: int, coff: int, head_dim: int, arch: "str | Non
     aligned addresses), more column slices than consumer threads, or fewer than 3 stages fitting
     in ``WINDOW_FWD_BULK_SMEM``."""
     base = choose_schedule(ratio, coff, head_dim, "fwd")
-    if WINDOW_FWD_BULK_STAGES < 3 or arch_number(arch) < 90 or base.family != "window":
+    if WINDOW_FWD_BULK_STAGES < 3 or not sm90_or_later(arch) or base.family != "window":
         return None
     n_vec = head_dim // base.vec
     if (coff not in WINDOW_FWD_BULK_COFFS or ratio not in WINDOW_FWD_BULK_RATIOS
@@ -464,7 +470,6 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
 #: Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
 STREAM_BWD_COLUMN_CLUSTER = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_CLUSTER", "2"))
 PORTABLE_CLUSTER_SIZES = (1, 2, 4, 8)
-CLUSTER_MIN_ARCH = 90
 
 
 def bwd_column_cluster(sched: "Schedule", arch: "str | None") -> int:
@@ -474,7 +479,7 @@ def bwd_column_cluster(sched: "Schedule", arch: "str | None") -> int:
     n = STREAM_BWD_COLUMN_CLUSTER
     if n not in PORTABLE_CLUSTER_SIZES:
         raise ValueError(f"CSA_FRONTEND_STREAM_BWD_CLUSTER: expected one of {PORTABLE_CLUSTER_SIZES}, got {n}")
-    if sched.family != "stream" or sched.col_tiles % n or arch_number(arch) < CLUSTER_MIN_ARCH:
+    if sched.family != "stream" or sched.col_tiles % n or not sm90_or_later(arch):
         return 1
     return n
 
