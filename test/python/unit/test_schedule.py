@@ -736,6 +736,22 @@ def test_backward_column_clusters_where_they_tile_on_sm90(monkeypatch):
         sch.bwd_column_cluster(r128, "sm_90a")
 
 
+def test_backward_grid_sms_knob_lays_only_the_backward_over_fewer_sms(monkeypatch):
+    """``CSA_FRONTEND_STREAM_BWD_GRID_SMS``: the stream backward's row CTAs counted on that many
+    SMs (still a constant, so grad_ape's order depends on the row count alone); 0 keeps
+    STREAM_GRID_SMS; the forward's grid never follows it."""
+    bwd = sch.choose_schedule(128, 2, 512, "bwd")
+    fwd = sch.choose_schedule(128, 2, 512, "fwd")
+    assert (bwd.col_tiles, sch.STREAM_BWD_GRID_SMS) == (16, 0)
+    default_bwd, default_fwd = sch.stream_row_ctas(bwd, "bwd", 1), sch.stream_row_ctas(fwd, "fwd", 1)
+    assert default_bwd == sch.STREAM_GRID_SMS // 16 == 8
+    monkeypatch.setattr(sch, "STREAM_BWD_GRID_SMS", 112)
+    assert sch.stream_row_ctas(bwd, "bwd", 1) == 7
+    assert sch.bwd_rows_per_thread(512, bwd, 1) == 74  # 7 CTAs of at most 74 of the 512 rows
+    assert sch.stream_row_ctas(fwd, "fwd", 1) == default_fwd
+    assert sch.stream_row_ctas(bwd, "bwd", 1, sms=128) == default_bwd  # an explicit count wins
+
+
 def test_few_rows_knob_off_means_never(monkeypatch):
     monkeypatch.setattr(sch, "STREAM_BWD_FEW_ROWS", 0)
     s = sch.choose_schedule(128, 1, 128, "bwd")

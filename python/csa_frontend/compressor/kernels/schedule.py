@@ -117,6 +117,17 @@ STREAM_BWD_TARGET_THREADS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_THREADS"
 #: compiled kernel. Tuning knob (A/B), e.g. CSA_FRONTEND_STREAM_RESIDENT="fwd=0,bwd=0": the
 #: thread targets alone.
 STREAM_GRID_SMS = 128
+#: The stream backward's grid laid over this many SMs instead of STREAM_GRID_SMS (0: that one);
+#: a constant like it, so grad_ape's order still depends only on the compiled kernel and the row
+#: count. Measured on the H100 only (session 55, graph replay, bwd us, 128 -> 112 SMs, clusters
+#: of 2): 1x65536 r128 c2 d512 212.2-213.0 -> 201.2-201.9 (8 -> 7 row CTAs of 16 column tiles),
+#: 1x131072 r128 c2 d512 408.3-409.3 -> 389.7-391.1, 1x32768 r128 c2 d512 114.1 -> 104.7,
+#: 1x65536 r64 c2 d512 209.3-210.5 -> 203.0-205.4 (197.5-198.2 at 96); the same with PDL off,
+#: at the same clocks, and not under ncu (plain launches: 191.8 / 193.3 us, the same DRAM bytes).
+#: But 1x65536 r256 c2 d512 238.6-240.6 -> 254.4 (4 -> 3 row CTAs), 1x8192 r128 c2 d128 12.2 ->
+#: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and the H200 is not measured: the default
+#: stays. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_GRID_SMS.
+STREAM_BWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_GRID_SMS", "0"))
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
 #: The stream forward's wave is counted on the device's own SMs instead (0), or on this many:
 #: its rows never meet across CTAs, so its bits do not depend on the grid. Measured on the
@@ -660,14 +671,16 @@ def resident_ctas_per_sm(threads: int, registers: int = ASSUMED_REGISTERS) -> in
 def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = None,
                     sms: "int | None" = None) -> int:
     """Stream CTAs along the rows (backward: one grad_ape slab each), over the column tiles: on
-    each of ``sms`` SMs (None: STREAM_GRID_SMS, the backward's) the direction's thread target in
-    whole CTAs, rounded up, but no more than fit at once (``resident``, the compiled kernel's
-    residency; None: at ASSUMED_REGISTERS). So the grid is one wave, the same number of CTAs on
-    every SM."""
+    each of ``sms`` SMs (None: STREAM_GRID_SMS, or STREAM_BWD_GRID_SMS where the backward sets
+    one) the direction's thread target in whole CTAs, rounded up, but no more than fit at once
+    (``resident``, the compiled kernel's residency; None: at ASSUMED_REGISTERS). So the grid is
+    one wave, the same number of CTAs on every SM."""
     assert not sched.online, "the online forward is launched by output rows alone"
     target = STREAM_FWD_TARGET_THREADS if direction == "fwd" else STREAM_BWD_TARGET_THREADS
     if not STREAM_RESIDENT[direction]:
         return max(1, target // sched.threads // sched.col_tiles)
+    if sms is None and direction == "bwd":
+        sms = STREAM_BWD_GRID_SMS or None
     sms = sms or STREAM_GRID_SMS
     # the target per SM stays that of STREAM_GRID_SMS SMs whatever ``sms`` (for every CTA width
     # of 32-1024 threads it rounds to the same CTAs at 132): only the SM count scales the grid
