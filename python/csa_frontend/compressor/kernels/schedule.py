@@ -680,7 +680,7 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
     if not STREAM_RESIDENT[direction]:
         return max(1, target // sched.threads // sched.col_tiles)
     if sms is None and direction == "bwd":
-        sms = STREAM_BWD_GRID_SMS or None
+        sms = STREAM_BWD_GRID_SMS
     sms = sms or STREAM_GRID_SMS
     # the target per SM stays that of STREAM_GRID_SMS SMs whatever ``sms`` (for every CTA width
     # of 32-1024 threads it rounds to the same CTAs at 132): only the SM count scales the grid
