@@ -6,7 +6,10 @@ direction back to back, after one warm-up call that compiles. The inputs are mad
 per call (main kernel and slab reduction), ``-k regex:kernel_cutlass --launch-skip 2
 --launch-count 2`` profiles the second call's pair. The per-SM spread of a kernel's active
 cycles (``sm__cycles_active``'s min / avg / max against ``sm__cycles_elapsed.max``) is how NOTES
-row 160 measured the window backward's imbalance across SMs.
+row 160 measured the window backward's imbalance across SMs. ncu flushes the L2 before each
+profiled launch; ``--cache-control none`` keeps what the previous launch left there (its dirty
+gradients, as in a graph replay), which is where NOTES row 170 found the stream backward's grid
+gap (``--launch-skip 4`` then starts on a call that has one before it).
 
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \
         --metrics sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.max \
