@@ -123,7 +123,8 @@ STREAM_GRID_SMS = 128
 #: of 2): 1x65536 r128 c2 d512 212.2-213.0 -> 201.2-201.9 (8 -> 7 row CTAs of 16 column tiles),
 #: 1x131072 r128 c2 d512 408.3-409.3 -> 389.7-391.1, 1x32768 r128 c2 d512 114.1 -> 104.7,
 #: 1x65536 r64 c2 d512 209.3-210.5 -> 203.0-205.4 (197.5-198.2 at 96). The gain holds with PDL
-#: off and at the same clocks, but not under ncu (plain launches: 191.8 / 193.3 us, same bytes).
+#: off and at the same clocks, but not under ncu (plain launches: 191.8 / 193.3 us, same bytes)
+#: unless ncu leaves the previous call's dirty gradients in the L2 (session 56: 211.2 / 202.7).
 #: But 1x65536 r256 c2 d512 238.6-240.6 -> 254.4 (4 -> 3 row CTAs), 1x8192 r128 c2 d128 12.2 ->
 #: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and the H200 is not measured: the default
 #: stays. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_GRID_SMS.
