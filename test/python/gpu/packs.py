@@ -2,8 +2,12 @@
 inputs, and the fuzz test's seeded random cases."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
+import tempfile
+import time
 from typing import List, Sequence
 
 import torch
@@ -131,3 +135,38 @@ def _draw_long_fuzz_case(rng: random.Random):
     while sum(n // ratio for n in lengths) < rows:
         lengths.append(rng.choice([0, ratio - 1, rng.randint(ratio, 64 * ratio + 3), rng.randint(ratio, 2048 * ratio)]))
     return ratio, coff, head_dim, lengths, rng.choice([0, 2]), rng.choice([0, 3])
+
+
+#: big cases that may run at once, one per lock file: two of them plus fifteen workers' cached
+#: blocks ran an 80 GB card out of memory (session 56); three with the caches handed back fit
+BIG_CASE_SLOTS = 3
+
+
+@contextlib.contextmanager
+def big_case_slot(kv_elements: int):
+    """Holds one of BIG_CASE_SLOTS file locks (shared by the xdist workers) while a case of more
+    than SHORT_BUDGET kv elements runs, since its float64 oracle takes gigabytes; every case
+    hands its cached blocks back after, so that idle workers do not hoard what big ones need."""
+    with contextlib.ExitStack() as held:
+        if kv_elements > SHORT_BUDGET:
+            held.enter_context(_first_free_lock())
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _first_free_lock():
+    paths = [os.path.join(tempfile.gettempdir(), f"csa_frontend_fuzz_big_case.{os.getuid()}.{k}.lock")
+             for k in range(BIG_CASE_SLOTS)]
+    while True:
+        for path in paths:
+            with open(path, "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                yield  # the lock goes with the file's closing
+                return
+        time.sleep(0.05)

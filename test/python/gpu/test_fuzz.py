@@ -13,18 +13,12 @@ A case is a pure function of its seed, so a failure reruns alone with ``-k "seed
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import tempfile
-import time
-
 import pytest
 import torch
 
 from csa_frontend.compressor.kernels.schedule import choose_schedule
 
-from .packs import SHORT_BUDGET, draw_fuzz_case, fuzz_seeds
+from .packs import big_case_slot, draw_fuzz_case, fuzz_seeds
 from .test_fused_kernels import check_pack
 
 pytestmark = [
@@ -38,46 +32,11 @@ def case_id(seed: int) -> str:
     return f"seed{seed}-r{ratio}c{coff}d{head_dim}-{len(lengths)}seg-{sum(lengths)}tok"
 
 
-#: big cases that may run at once, one per lock file: two of them plus fifteen workers' cached
-#: blocks ran a 80 GB card out of memory (session 56); three with the caches handed back fit
-BIG_CASE_SLOTS = 3
-
-
-@contextlib.contextmanager
-def big_case_slot(kv_elements: int):
-    """Holds one of BIG_CASE_SLOTS file locks (shared by the xdist workers) while a case above
-    the short budget runs, since its float64 oracle takes gigabytes; every case hands its cached
-    blocks back after, so that idle workers do not hoard memory the big ones need."""
-    with contextlib.ExitStack() as held:
-        if kv_elements > SHORT_BUDGET:
-            held.enter_context(_first_free_lock())
-        try:
-            yield
-        finally:
-            torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _first_free_lock():
-    paths = [os.path.join(tempfile.gettempdir(), f"csa_frontend_fuzz_big_case.{k}.lock") for k in range(BIG_CASE_SLOTS)]
-    while True:
-        for path in paths:
-            with open(path, "a") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                yield  # the lock goes with the file's closing
-                return
-        time.sleep(0.05)
-
-
 @pytest.mark.L1
 @pytest.mark.parametrize("seed", fuzz_seeds(), ids=case_id)
 def test_fuzz(seed):
     ratio, coff, head_dim, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
-    kv_elements = (sum(lengths) + extra_tokens) * coff * head_dim
-    with big_case_slot(kv_elements):
+    with big_case_slot((sum(lengths) + extra_tokens) * coff * head_dim):
         check_pack(ratio, coff, head_dim, lengths, pad_rows=pad_rows, seed=seed, extra_tokens=extra_tokens,
                    fwd_exact=choose_schedule(ratio, coff, head_dim, "fwd").family == "window",
                    bwd_exact=choose_schedule(ratio, coff, head_dim, "bwd").family == "window", variants=True)

@@ -1,8 +1,12 @@
 """The GPU fuzz test's case generator (``packs.draw_fuzz_case``), on the CPU."""
+import threading
+import time
+
 import pytest
 
 from csa_frontend.compressor.kernels.schedule import choose_schedule
-from gpu.packs import COLD_CONFIGS, FUZZ_CASES, LONG_ROWS, draw_fuzz_case, fuzz_seeds
+from gpu.packs import (BIG_CASE_SLOTS, COLD_CONFIGS, FUZZ_CASES, LONG_ROWS, SHORT_BUDGET, big_case_slot,
+                       draw_fuzz_case, fuzz_seeds)
 
 
 @pytest.mark.L0
@@ -41,3 +45,39 @@ def test_draws_are_packs_the_operator_accepts():
     for seed in range(2000):
         ratio, _, _, lengths, pad_rows, extra_tokens = draw_fuzz_case(seed)
         assert pad_rows == 0 or sum(lengths) + extra_tokens >= ratio, seed
+
+
+@pytest.mark.L0
+def test_big_cases_share_a_few_slots_and_small_ones_never_wait():
+    """At most BIG_CASE_SLOTS big cases hold a slot at once (the locks are per open file, so
+    threads contend as xdist workers do); a small case runs while every slot is held."""
+    inside, most, lock, release = [0], [0], threading.Lock(), threading.Event()
+
+    def big_case():
+        with big_case_slot(SHORT_BUDGET + 1):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            release.wait(30)
+            with lock:
+                inside[0] -= 1
+
+    def small_case():
+        with big_case_slot(SHORT_BUDGET):
+            pass
+
+    threads = [threading.Thread(target=big_case) for _ in range(BIG_CASE_SLOTS + 2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while inside[0] < BIG_CASE_SLOTS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    small = threading.Thread(target=small_case)
+    small.start()
+    small.join(30)
+    held_while_small_ran = inside[0]
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert not small.is_alive() and held_while_small_ran == BIG_CASE_SLOTS
+    assert most[0] == BIG_CASE_SLOTS and inside[0] == 0
