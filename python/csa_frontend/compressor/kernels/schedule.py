@@ -923,6 +923,8 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: r128 c1 d128 44.84 -> 42.10, 1x65536 r64 c1 d512 76.96 -> 75.37; 512x300, 64x2000 and 100x1311
 #: (contiguous by the rule) 50.68, 41.40, 46.13 -> 50.87, 41.68, 46.26. Tuning knob,
 #: CSA_FRONTEND_STREAM_BWD_INTERLEAVE=auto|0|1 ("1" also interleaves every launch that can).
+#: On the H100 with clusters (session 56, NOTES row 172) "1" took 1x65536 r128 c2 d512 212.0 ->
+#: 207.0-208.3, and 191.7-191.9 with CSA_FRONTEND_STREAM_BWD_GRID_SMS=112: a lead, not a default.
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
 STREAM_BWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
