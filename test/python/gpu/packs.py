@@ -147,9 +147,7 @@ def big_case_slot(kv_elements: int):
     """Holds one of BIG_CASE_SLOTS file locks (shared by the xdist workers) while a case of more
     than SHORT_BUDGET kv elements runs, since its float64 oracle takes gigabytes; every case
     hands its cached blocks back after, so that idle workers do not hoard what big ones need."""
-    with contextlib.ExitStack() as held:
-        if kv_elements > SHORT_BUDGET:
-            held.enter_context(_first_free_lock())
+    with _first_free_lock() if kv_elements > SHORT_BUDGET else contextlib.nullcontext():
         try:
             yield
         finally:
