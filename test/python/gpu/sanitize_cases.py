@@ -34,8 +34,9 @@ FORCED_WALKS = [
     # the register window's wide (16-byte) backward of long coff-1 launches, at any row count:
     # 65 column threads x 3 row lanes
     ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
-    # the stream backward's interleaved row walk (compiled into coff 1)
+    # the stream backward's interleaved row walk (compiled into coff 1, and into coff 2 at >= 384 threads)
     ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
+    ("interleaved coff-2 stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (64, 2, 128)),
     # the stream forward's interleaved row walk (compiled into coff 1; the serial and online forwards off)
     ("interleaved stream forward rows", dict(STREAM_FWD_INTERLEAVE="1", STREAM_FWD_GRID_SMS=3, SERIAL_FWD_MAX_OUTPUTS=0,
                                              STREAM_FWD_ONLINE_WINDOW=0), (32, 1, 64)),

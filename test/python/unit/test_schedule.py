@@ -214,8 +214,10 @@ def test_stream_grid_is_one_even_wave(online_forward_off, direction, ratio, coff
         assert row_ctas == max(1, target // s.threads // s.col_tiles)
     rows = sch.fwd_rows_per_cta if direction == "fwd" else sch.bwd_rows_per_thread
     for n_rows in (1, 300, 4096, 10 ** 6 + 7):
-        per_cta = rows(n_rows, s, resident)
-        assert per_cta == max(1, -(-n_rows // row_ctas))
+        # the backward's long launches may take fewer CTAs (stream_bwd_row_ctas), never more
+        ctas = row_ctas if direction == "fwd" else sch.stream_bwd_row_ctas(n_rows, s, resident)
+        assert ctas <= row_ctas
+        assert rows(n_rows, s, resident) == max(1, -(-n_rows // ctas))
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(100, 2, 128), (200, 1, 192), (17, 1, 256), (24, 1, 512),
@@ -238,7 +240,7 @@ def test_stream_forward_wave_counts_the_device_sms(online_forward_off, monkeypat
     monkeypatch.setattr(sch, "STREAM_FWD_GRID_SMS", 128)
     assert sch.fwd_rows_per_cta(10 ** 6, s, resident, device_sms) == sch.fwd_rows_per_cta(10 ** 6, s, resident, 128)
     b = sch.choose_schedule(ratio, coff, head_dim, "bwd")
-    b_ctas = sch.stream_row_ctas(b, "bwd", resident)
+    b_ctas = sch.stream_bwd_row_ctas(10 ** 6, b, resident)  # no device SM count in it
     assert sch.bwd_rows_per_thread(10 ** 6, b, resident) == max(1, -(-10 ** 6 // b_ctas))
 
 
@@ -313,23 +315,48 @@ def test_coff_1_interleaves_up_to_its_row_group_limit():
             assert sch.bwd_interleaved(n_rows, 1, 4, coff, 512, s, rpt) is interleaved, (coff, groups)
 
 
-def test_window_interleave_knob_leaves_the_stream_family_alone(monkeypatch):
+@pytest.mark.parametrize("rows_per_cta", [4, 32])
+def test_window_interleave_knob_leaves_the_stream_family_alone(monkeypatch, rows_per_cta):
     s = sch.choose_schedule(128, 2, 512, "bwd")
     assert s.family == "stream"
-    monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", "1")
-    assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, 32)
+    walks = sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, rows_per_cta)
+    assert walks is (rows_per_cta >= sch.STREAM_BWD_INTERLEAVE_MIN_ROWS)
+    for knob in ("0", "1"):
+        monkeypatch.setattr(sch, "WINDOW_BWD_INTERLEAVE", knob)
+        assert sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s, rows_per_cta) is walks
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("knob,coff,expected", [("auto", 1, True), ("auto", 2, False), ("0", 1, False),
                                                 ("1", 2, True)])
-def test_stream_kernels_compile_the_interleaved_walk_for_coff_1(monkeypatch, direction, knob, coff, expected):
-    monkeypatch.setattr(sch, f"STREAM_{direction.upper()}_INTERLEAVE", knob)
-    assert getattr(sch, f"stream_{direction}_may_interleave")(coff) is expected
+def test_stream_forward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, knob, coff, expected):
+    monkeypatch.setattr(sch, "STREAM_FWD_INTERLEAVE", knob)
+    assert sch.stream_fwd_may_interleave(coff) is expected
+
+
+@pytest.mark.parametrize("knob,coff,threads,expected", [
+    ("auto", 1, 256, True), ("auto", 1, 512, True), ("auto", 2, 512, True), ("auto", 2, 384, True),
+    ("auto", 2, 256, False), ("0", 1, 512, False), ("0", 2, 512, False), ("1", 2, 256, True)])
+def test_stream_backward_compiles_the_walk_unless_it_would_spill(monkeypatch, knob, coff, threads, expected):
+    """coff 2 compiles the walk only into CTAs of at least STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
+    threads: the 256-thread coff-2 kernels (128 registers for 2 CTAs per SM) spill with it."""
+    monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", knob)
+    assert sch.stream_bwd_may_interleave(coff, threads) is expected
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (16, 2, 128), (48, 2, 64),
+                                                (100, 2, 128), (256, 2, 512), (128, 1, 128), (32, 1, 128)])
+def test_stream_backward_walks_only_where_compiled_in(ratio, coff, head_dim):
+    """No launch asks the compiled kernel for a walk it was built without."""
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    assert s.family == "stream"
+    for n_rows in (7, 300, 4096, 65536, 10 ** 6):
+        for n_seg in (1, 3, 64):
+            if sch.bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, s, sch.bwd_rows_per_thread(n_rows, s)):
+                assert sch.stream_bwd_may_interleave(coff, s.threads)
 
 
 def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
-    """coff 1 only; at least STREAM_BWD_INTERLEAVE_MIN_ROWS rows per CTA; a mean segment of at
+    """At least STREAM_BWD_INTERLEAVE_MIN_ROWS rows per CTA; a mean segment of at
     least STREAM_BWD_INTERLEAVE_SEGMENT_STEPS steps of ``row_groups`` rows."""
     s = sch.choose_schedule(128, 1, 128, "bwd")
     assert s.family == "stream"
@@ -347,9 +374,13 @@ def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
     assert segs >= 1
     assert sch.bwd_interleaved(n_rows, segs, 128, 1, 128, s, rpt)
     assert not sch.bwd_interleaved(n_rows, segs + 1, 128, 1, 128, s, rpt)
-    # coff 2 never (not compiled in)
+    # coff 2 the same where compiled in (CTAs of >= 384 threads), never in 256-thread CTAs
     s2 = sch.choose_schedule(128, 2, 512, "bwd")
-    assert not sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
+    assert s2.threads >= sch.STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
+    assert sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
+    s3 = sch.choose_schedule(16, 2, 256, "bwd")
+    assert s3.threads < sch.STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
+    assert not sch.bwd_interleaved(10 ** 6, 1, 16, 2, 256, s3, sch.bwd_rows_per_thread(10 ** 6, s3))
 
 
 def test_stream_backward_interleave_knob_forces_every_launch(monkeypatch):
@@ -751,6 +782,30 @@ def test_backward_grid_sms_knob_lays_only_the_backward_over_fewer_sms(monkeypatc
     assert sch.bwd_rows_per_thread(512, bwd, 1) == 74  # 7 CTAs of at most 74 of the 512 rows
     assert sch.stream_row_ctas(fwd, "fwd", 1) == default_fwd
     assert sch.stream_row_ctas(bwd, "bwd", 1, sms=128) == default_bwd  # an explicit count wins
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim,full,narrow", [
+    (128, 2, 512, 8, 7), (64, 2, 512, 16, 14), (128, 2, 256, 16, 14), (128, 1, 128, 64, 56),
+    (16, 2, 256, 128, 112),  # 256-thread CTAs, 2 per SM at these registers
+    (256, 2, 512, 4, 4)])  # 32 column tiles: 112 SMs would round 3.5 row CTAs down to 3, so never
+def test_long_stream_backwards_lay_their_grid_over_fewer_sms(monkeypatch, ratio, coff, head_dim, full, narrow):
+    """STREAM_BWD_LONG_GRID_SMS: a launch of CTAs of at least STREAM_BWD_LONG_GRID_MIN_ROWS rows
+    on the full grid takes the 112-SM grid, but only where that scales the row CTAs exactly."""
+    monkeypatch.setattr(sch, "STREAM_BWD_GRID_SMS", 0)
+    monkeypatch.setattr(sch, "STREAM_BWD_LONG_GRID_SMS", 112)
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    resident = sch.resident_ctas_per_sm(s.threads, 128)
+    assert sch.stream_row_ctas(s, "bwd", resident) == full
+    edge = full * sch.STREAM_BWD_LONG_GRID_MIN_ROWS
+    assert sch.stream_bwd_row_ctas(edge - 1, s, resident) == full  # CTAs of < 16 rows: the full grid
+    for n_rows in (edge, 10 ** 6):
+        assert sch.stream_bwd_row_ctas(n_rows, s, resident) == narrow
+        assert sch.bwd_rows_per_thread(n_rows, s, resident) == -(-n_rows // narrow)
+    monkeypatch.setattr(sch, "STREAM_BWD_LONG_GRID_SMS", 0)
+    assert sch.stream_bwd_row_ctas(10 ** 6, s, resident) == full
+    monkeypatch.setattr(sch, "STREAM_BWD_LONG_GRID_SMS", 112)
+    monkeypatch.setattr(sch, "STREAM_BWD_GRID_SMS", 96)  # the A/B knob wins for every launch
+    assert sch.stream_bwd_row_ctas(10 ** 6, s, resident) == sch.stream_row_ctas(s, "bwd", resident)
 
 
 def test_few_rows_knob_off_means_never(monkeypatch):

@@ -126,9 +126,27 @@ STREAM_GRID_SMS = 128
 #: off and at the same clocks, but not under ncu (plain launches: 191.8 / 193.3 us, same bytes)
 #: unless ncu leaves the previous call's dirty gradients in the L2 (session 56: 211.2 / 202.7).
 #: But 1x65536 r256 c2 d512 238.6-240.6 -> 254.4 (4 -> 3 row CTAs), 1x8192 r128 c2 d128 12.2 ->
-#: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and the H200 is not measured: the default
-#: stays. Tuning knob (A/B), CSA_FRONTEND_STREAM_BWD_GRID_SMS.
+#: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and the H200 is not measured: every launch
+#: keeps STREAM_GRID_SMS, and long ones take STREAM_BWD_LONG_GRID_SMS by rule. Tuning knob (A/B),
+#: CSA_FRONTEND_STREAM_BWD_GRID_SMS: set, it lays every stream backward over that many SMs.
 STREAM_BWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_GRID_SMS", "0"))
+#: Long stream backward launches (CTAs of at least STREAM_BWD_LONG_GRID_MIN_ROWS rows on the
+#: STREAM_GRID_SMS grid) lay their grid over this many SMs where that scales the row CTAs
+#: exactly (no column-tile rounding; ``stream_bwd_row_ctas``). Measured on the H100 only
+#: (session 57, NOTES row 173, graph replay, bwd us, 128 SMs -> 112 for every launch, the
+#: coff-2 walk on in both): 1x65536 r128 c2 d512 208.2-210.1 -> 193.9-194.6, 1x131072 r128 c2
+#: d512 401.0-402.2 -> 377.5-377.8, 1x65536 r64 c2 d512 208.4 -> 200.0-200.3, 1x65536 r128 c2
+#: d256 110.1-110.5 -> 104.9-105.3, 48x2048 r32 c2 d256 157.5-158.0 -> 154.0-155.5; walk off:
+#: 1x65536 r64 c1 d512 107.7-108.5 -> 105.7-106.3. Short launches lose (CTAs of 2-11 rows:
+#: 1x8192 r128 c2 d128 11.8 -> 12.7-12.9, 2x16384 r100 c2 d128 32.3-32.5 -> 33.6, 1x16384 r48 c2
+#: d256 31.1 -> 32.9-33.0), and so does 1x65536 r256 c2 d512 (32 column tiles: 4 -> 3 row CTAs,
+#: 218.2-218.6 -> 257.7-258.2): hence the two conditions. Left alone within noise: 64x2000 r32
+#: c1 d128, 512x300 r64 c1 d128, 4x8192 r16 c2 d256 (55.0-58.9 -> 55.4-56.3). The rows-per-CTA
+#: condition reads the launch's row count, so grad_ape's order is still the shape's. Suspected
+#: cause (NOTES rows 170-171): the previous call's dirty L2 lines make the full grid's slowest SM
+#: a straggler. 0: never. Tuning knob, CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS.
+STREAM_BWD_LONG_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS", "112"))
+STREAM_BWD_LONG_GRID_MIN_ROWS = 16
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
 #: The stream forward's wave is counted on the device's own SMs instead (0), or on this many:
 #: its rows never meet across CTAs, so its bits do not depend on the grid. Measured on the
@@ -683,13 +701,18 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
     if sms is None and direction == "bwd":
         sms = STREAM_BWD_GRID_SMS
     sms = sms or STREAM_GRID_SMS
-    # the target per SM stays that of STREAM_GRID_SMS SMs whatever ``sms`` (for every CTA width
-    # of 32-1024 threads it rounds to the same CTAs at 132): only the SM count scales the grid
+    return max(1, sms * _stream_ctas_per_sm(sched, direction, target, resident) // sched.col_tiles)
+
+
+def _stream_ctas_per_sm(sched: Schedule, direction: str, target: int, resident: "int | None") -> int:
+    # the target per SM stays that of STREAM_GRID_SMS SMs whatever the grid's SM count (for
+    # every CTA width of 32-1024 threads it rounds to the same CTAs at 132): only that count
+    # scales the grid
     per_sm = -(-target // (STREAM_GRID_SMS * sched.threads))
     per_sm = min(per_sm, resident or resident_ctas_per_sm(sched.threads))
     if STREAM_SHARED_RESIDENT:
         per_sm = min(per_sm, max(1, SM_SHARED_MEMORY // (stream_shared_bytes(sched, direction) + CTA_SHARED_OVERHEAD)))
-    return max(1, sms * per_sm // sched.col_tiles)
+    return per_sm
 
 
 def _aligned(nbytes: int) -> int:
@@ -720,12 +743,27 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = N
     Stream family: rows each CTA walks, one at a time, over ``stream_row_ctas`` CTAs per column
     tile (``resident``: the compiled kernel's residency)."""
     if sched.family == "stream":
-        return max(1, -(-n_rows // stream_row_ctas(sched, "bwd", resident)))
+        return max(1, -(-n_rows // stream_bwd_row_ctas(n_rows, sched, resident)))
     if slab <= 0:
         raise ValueError(f"slab: the window backward's grad_ape slab bytes (slab_bytes) are needed, got {slab}")
     most_groups = max(BWD_TARGET_CTAS, BWD_SLAB_BYTES // slab)
     rpt = min(-(-n_rows // (sched.row_lanes * BWD_TARGET_CTAS)), BWD_MAX_ROWS_PER_THREAD)
     return max(1, rpt, -(-n_rows // (sched.row_lanes * most_groups)))
+
+
+def stream_bwd_row_ctas(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
+    """Row CTAs of a stream backward launch of ``n_rows`` rows: ``stream_row_ctas``, or for a
+    long launch its STREAM_BWD_LONG_GRID_SMS grid where that keeps the same CTAs per SM. From
+    the row count and the compiled kernel alone, so grad_ape's order is still the shape's."""
+    long_sms = STREAM_BWD_LONG_GRID_SMS
+    if not long_sms or STREAM_BWD_GRID_SMS or not STREAM_RESIDENT["bwd"]:
+        return stream_row_ctas(sched, "bwd", resident)
+    per_sm = _stream_ctas_per_sm(sched, "bwd", STREAM_BWD_TARGET_THREADS, resident)
+    full = max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
+    if n_rows < STREAM_BWD_LONG_GRID_MIN_ROWS * full:
+        return full
+    narrow = max(1, long_sms * per_sm // sched.col_tiles)
+    return narrow if narrow * STREAM_GRID_SMS == full * long_sms else full
 
 
 def slab_bytes(ratio: int, coff: int, head_dim: int) -> int:
@@ -832,20 +870,20 @@ STREAM_FWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_FWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 
-def _compiles_stream_walk(knob: str, coff: int) -> bool:
-    """A stream interleave knob's compile-time side: "auto" compiles the walk into coff 1 only,
-    "1" into every coff, "0" into none."""
-    return knob == "1" if knob in ("0", "1") else coff == 1
+def _compiles_stream_walk(knob: str, coff: int, auto_coffs: tuple = (1,)) -> bool:
+    """A stream interleave knob's compile-time side: "auto" compiles the walk into the coffs of
+    ``auto_coffs``, "1" into every coff, "0" into none."""
+    return knob == "1" if knob in ("0", "1") else coff in auto_coffs
 
 
 def _takes_stream_walk(knob: str, coff: int, n_rows: int, n_segments: int, rows_per_cta: int,
-                       min_rows: int, segment_steps: int) -> bool:
+                       min_rows: int, segment_steps: int, auto_coffs: tuple = (1,)) -> bool:
     """A stream interleave knob's per-launch side: where compiled in, "1" always; "auto" for
     CTAs of at least ``min_rows`` rows over segments of at least ``segment_steps`` steps of the
     grid's row CTAs on average (each step into a new segment is a lookup on the row's path)."""
     if knob in ("0", "1"):  # per call on the host: the common answers first, no nested calls
         return knob == "1"
-    if coff != 1 or rows_per_cta < min_rows:
+    if coff not in auto_coffs or rows_per_cta < min_rows:
         return False
     return n_rows >= segment_steps * max(1, n_segments) * -(-n_rows // rows_per_cta)
 
@@ -904,8 +942,8 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 #: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
 #: the whole grid works through one region of the pack at a time (the register window's
-#: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels ("auto"; "1":
-#: every stream backward, "0": none) and taken by launches whose CTAs walk at least
+#: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2
+#: ones of >= 384 threads ("auto"; "1": every stream backward, "0": none) and taken by launches whose CTAs walk at least
 #: ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
 #: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
 #: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
@@ -923,17 +961,33 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: r128 c1 d128 44.84 -> 42.10, 1x65536 r64 c1 d512 76.96 -> 75.37; 512x300, 64x2000 and 100x1311
 #: (contiguous by the rule) 50.68, 41.40, 46.13 -> 50.87, 41.68, 46.26. Tuning knob,
 #: CSA_FRONTEND_STREAM_BWD_INTERLEAVE=auto|0|1 ("1" also interleaves every launch that can).
-#: On the H100 with clusters (session 56, NOTES row 172) "1" took 1x65536 r128 c2 d512 212.0 ->
-#: 207.0-208.3, and 191.7-191.9 with CSA_FRONTEND_STREAM_BWD_GRID_SMS=112: a lead, not a default.
+#: Since session 57 (H100 with clusters, NOTES rows 172-173; bwd us, walk in coff 1 only -> in
+#: coff 2 too, 128 SMs) "auto" compiles the walk into coff 2 as well: 1x65536 r128 c2 d512
+#: 213.2-218.3 -> 208.2-210.1, 1x131072 r128 c2 d512 408.5-408.8 -> 401.0-402.2, 1x65536 r256 c2
+#: d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2 d256 275.2-275.8 -> 247.2, 1x65536 r128 c2
+#: d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128 33.3-33.5 -> 32.3-32.5; with the long
+#: grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128 c2 d512 200.4-200.7 -> 193.9-194.6).
+#: Except into CTAs of fewer than STREAM_BWD_INTERLEAVE_C2_MIN_THREADS threads: the 256-thread
+#: coff-2 kernels (r16 c2 d128 and d256: two CTAs per SM at 128 registers) spill 48 bytes with it
+#: (ptxas, sass_budget.py), and 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the
+#: long grid), even where a launch did not take the walk. The H200 is not measured with the coff-2
+#: walk since session 37 (no clusters then, no gain: 155.6 -> 155.0).
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
+#: the coffs "auto" compiles the walk into (coff 2 at >= STREAM_BWD_INTERLEAVE_C2_MIN_THREADS);
+#: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
+STREAM_BWD_WALK_COFFS = tuple(int(c) for c in os.environ.get("CSA_FRONTEND_STREAM_BWD_WALK_COFFS", "1,2").split(","))
 STREAM_BWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
+STREAM_BWD_INTERLEAVE_C2_MIN_THREADS = 384
 
 
-def stream_bwd_may_interleave(coff: int) -> bool:
-    """Whether the stream backward of ``coff`` is compiled with the interleaved walk
-    (``STREAM_BWD_INTERLEAVE``); a launch takes it where ``bwd_interleaved`` says so."""
-    return _compiles_stream_walk(STREAM_BWD_INTERLEAVE, coff)
+def stream_bwd_may_interleave(coff: int, threads: int) -> bool:
+    """Whether the stream backward of ``coff`` with CTAs of ``threads`` threads is compiled with
+    the interleaved walk (``STREAM_BWD_INTERLEAVE``); a launch takes it where
+    ``bwd_interleaved`` says so."""
+    if STREAM_BWD_INTERLEAVE == "auto" and coff == 2 and threads < STREAM_BWD_INTERLEAVE_C2_MIN_THREADS:
+        return False
+    return _compiles_stream_walk(STREAM_BWD_INTERLEAVE, coff, STREAM_BWD_WALK_COFFS)
 
 
 def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_dim: int, sched: Schedule,
@@ -943,8 +997,11 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
     slab sums the rows it walked) depends on nothing else. Stream family: see
     ``STREAM_BWD_INTERLEAVE``."""
     if sched.family == "stream":  # rows_per_thread: rows per CTA, so the steps are its row groups
+        if coff == 2 and sched.threads < STREAM_BWD_INTERLEAVE_C2_MIN_THREADS and STREAM_BWD_INTERLEAVE == "auto":
+            return False  # not compiled in (``stream_bwd_may_interleave``)
         return _takes_stream_walk(STREAM_BWD_INTERLEAVE, coff, n_rows, n_segments, rows_per_thread,
-                                  STREAM_BWD_INTERLEAVE_MIN_ROWS, STREAM_BWD_INTERLEAVE_SEGMENT_STEPS)
+                                  STREAM_BWD_INTERLEAVE_MIN_ROWS, STREAM_BWD_INTERLEAVE_SEGMENT_STEPS,
+                                  STREAM_BWD_WALK_COFFS)
     if WINDOW_BWD_INTERLEAVE == "0":
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
