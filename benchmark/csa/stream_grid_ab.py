@@ -6,8 +6,8 @@ variant in turn, alternating for ``--rounds`` rounds (graph replay, inputs rotat
 as ``bench_csa_compressor.py``). Variants: ``targets`` (the thread targets alone, the grid
 before session 23), ``wave`` (one even resident wave, the default), ``shared`` (the wave with
 shared memory counted in the residency, ``CSA_FRONTEND_STREAM_SHARED_RESIDENT``), ``smsN``
-(the wave on N SMs instead of STREAM_GRID_SMS, the backward's, and the device's, the
-forward's; ``sms128`` is the forward before session 24) and ``rpc+K`` / ``rpc-K`` (forward only: the
+(the wave on N SMs instead of STREAM_GRID_SMS, the backward's, long launches included, and
+the device's, the forward's; ``sms128`` is the forward before session 24) and ``rpc+K`` / ``rpc-K`` (forward only: the
 wave's rows per CTA plus or minus K, at least 1: the curve a forward grid rule is fitted to).
 Prints one JSON line per shape, with each forward variant's rows per CTA and grid.
 
@@ -32,6 +32,7 @@ from csa_frontend.compressor.kernels import dispatch, schedule  # noqa: E402
 GRID_SMS = schedule.STREAM_GRID_SMS
 SHARED = schedule.STREAM_SHARED_RESIDENT
 FWD_GRID_SMS = schedule.STREAM_FWD_GRID_SMS
+LONG_GRID_SMS = schedule.STREAM_BWD_LONG_GRID_SMS
 FWD_ROWS_PER_CTA = dispatch.fwd_rows_per_cta
 
 
@@ -42,6 +43,7 @@ def apply_variant(name: str) -> None:
     sms = int(name[3:]) if name.startswith("sms") else None
     schedule.STREAM_GRID_SMS = sms or GRID_SMS
     schedule.STREAM_FWD_GRID_SMS = sms or FWD_GRID_SMS
+    schedule.STREAM_BWD_LONG_GRID_SMS = 0 if sms else LONG_GRID_SMS  # smsN: every backward launch on N
     schedule.STREAM_SHARED_RESIDENT = True if name == "shared" else SHARED
     offset = int(name[3:]) if name.startswith("rpc") else 0
     dispatch.fwd_rows_per_cta = (FWD_ROWS_PER_CTA if not offset else
