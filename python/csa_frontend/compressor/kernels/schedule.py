@@ -740,8 +740,8 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = N
     """Rows each backward thread walks (window family): the fewest that bring the row groups
     down to BWD_TARGET_CTAS, at most BWD_MAX_ROWS_PER_THREAD unless the row groups' grad_ape
     slabs (``slab`` bytes each: ``slab_bytes``) would then pass BWD_SLAB_BYTES.
-    Stream family: rows each CTA walks, one at a time, over ``stream_row_ctas`` CTAs per column
-    tile (``resident``: the compiled kernel's residency)."""
+    Stream family: rows each CTA walks, one at a time, over ``stream_bwd_row_ctas`` CTAs per
+    column tile (``resident``: the compiled kernel's residency)."""
     if sched.family == "stream":
         return max(1, -(-n_rows // stream_bwd_row_ctas(n_rows, sched, resident)))
     if slab <= 0:
@@ -943,8 +943,8 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
 #: the whole grid works through one region of the pack at a time (the register window's
 #: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2
-#: ones of >= 384 threads ("auto"; "1": every stream backward, "0": none) and taken by launches whose CTAs walk at least
-#: ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
+#: ones of >= 384 threads ("auto"; "1": every stream backward, "0": none) and taken by launches
+#: whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
 #: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
 #: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
 #: contiguous -> interleaved): 1x131072 r128 c1 d128 44.87, 45.04, 45.32, 44.81 -> 41.83, 41.75,
