@@ -79,9 +79,11 @@ def test_stream_grid_ab_variants(monkeypatch):
     ab.apply_variant("targets")
     assert schedule.STREAM_RESIDENT == {"fwd": 0, "bwd": 0}
     monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", schedule.STREAM_FWD_GRID_SMS)
+    monkeypatch.setattr(schedule, "STREAM_BWD_LONG_GRID_SMS", schedule.STREAM_BWD_LONG_GRID_SMS)
     ab.apply_variant("sms132")
     assert schedule.STREAM_RESIDENT == {"fwd": 1, "bwd": 1} and schedule.STREAM_GRID_SMS == 132
     assert schedule.STREAM_FWD_GRID_SMS == 132
+    assert schedule.STREAM_BWD_LONG_GRID_SMS == 0  # every backward launch on the variant's SMs
     monkeypatch.setattr(ab.dispatch, "fwd_rows_per_cta", ab.dispatch.fwd_rows_per_cta)
     sched = schedule.choose_schedule(128, 1, 128, "fwd")
     wave_rpc = ab.FWD_ROWS_PER_CTA(1000, sched, 2)
@@ -93,6 +95,7 @@ def test_stream_grid_ab_variants(monkeypatch):
     ab.apply_variant("wave")
     assert (schedule.STREAM_RESIDENT, schedule.STREAM_GRID_SMS) == default
     assert schedule.STREAM_SHARED_RESIDENT is ab.SHARED and schedule.STREAM_FWD_GRID_SMS == ab.FWD_GRID_SMS
+    assert schedule.STREAM_BWD_LONG_GRID_SMS == ab.LONG_GRID_SMS
     assert ab.dispatch.fwd_rows_per_cta is ab.FWD_ROWS_PER_CTA
 
 
