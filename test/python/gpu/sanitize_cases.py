@@ -36,7 +36,8 @@ FORCED_WALKS = [
     ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
     # the stream backward's interleaved row walk (compiled into coff 1, and into coff 2 at >= 384 threads)
     ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
-    ("interleaved coff-2 stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (64, 2, 128)),
+    # (2 column tiles: 6 SMs' worth is 3 row CTAs)
+    ("interleaved coff-2 stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=6), (64, 2, 128)),
     # the stream forward's interleaved row walk (compiled into coff 1; the serial and online forwards off)
     ("interleaved stream forward rows", dict(STREAM_FWD_INTERLEAVE="1", STREAM_FWD_GRID_SMS=3, SERIAL_FWD_MAX_OUTPUTS=0,
                                              STREAM_FWD_ONLINE_WINDOW=0), (32, 1, 64)),

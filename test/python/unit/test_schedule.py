@@ -806,6 +806,10 @@ def test_long_stream_backwards_lay_their_grid_over_fewer_sms(monkeypatch, ratio,
     monkeypatch.setattr(sch, "STREAM_BWD_LONG_GRID_SMS", 112)
     monkeypatch.setattr(sch, "STREAM_BWD_GRID_SMS", 96)  # the A/B knob wins for every launch
     assert sch.stream_bwd_row_ctas(10 ** 6, s, resident) == sch.stream_row_ctas(s, "bwd", resident)
+    monkeypatch.setattr(sch, "STREAM_BWD_GRID_SMS", 0)
+    for few_sms in (3, 5, 56, 112):  # tests' small grids: never widened to the long grid
+        monkeypatch.setattr(sch, "STREAM_GRID_SMS", few_sms)
+        assert sch.stream_bwd_row_ctas(10 ** 6, s, resident) == sch.stream_row_ctas(s, "bwd", resident)
 
 
 def test_few_rows_knob_off_means_never(monkeypatch):

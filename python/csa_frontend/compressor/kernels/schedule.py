@@ -753,10 +753,13 @@ def bwd_rows_per_thread(n_rows: int, sched: Schedule, resident: "int | None" = N
 
 def stream_bwd_row_ctas(n_rows: int, sched: Schedule, resident: "int | None" = None) -> int:
     """Row CTAs of a stream backward launch of ``n_rows`` rows: ``stream_row_ctas``, or for a
-    long launch its STREAM_BWD_LONG_GRID_SMS grid where that keeps the same CTAs per SM. From
-    the row count and the compiled kernel alone, so grad_ape's order is still the shape's."""
+    long launch its STREAM_BWD_LONG_GRID_SMS grid (fewer SMs) where that keeps the same CTAs per
+    SM. From the row count and the compiled kernel alone, so grad_ape's order is still the
+    shape's."""
     long_sms = STREAM_BWD_LONG_GRID_SMS
-    if not long_sms or STREAM_BWD_GRID_SMS or not STREAM_RESIDENT["bwd"]:
+    # only ever fewer CTAs (tests shrink STREAM_GRID_SMS below it): stream_row_ctas bounds the
+    # row groups a launch may have (``atomic_may_fall_back``)
+    if not 0 < long_sms < STREAM_GRID_SMS or STREAM_BWD_GRID_SMS or not STREAM_RESIDENT["bwd"]:
         return stream_row_ctas(sched, "bwd", resident)
     per_sm = _stream_ctas_per_sm(sched, "bwd", STREAM_BWD_TARGET_THREADS, resident)
     full = max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
