@@ -879,14 +879,15 @@ def _compiles_stream_walk(knob: str, coff: int, auto_coffs: tuple = (1,)) -> boo
     return knob == "1" if knob in ("0", "1") else coff in auto_coffs
 
 
-def _takes_stream_walk(knob: str, coff: int, n_rows: int, n_segments: int, rows_per_cta: int,
-                       min_rows: int, segment_steps: int, auto_coffs: tuple = (1,)) -> bool:
-    """A stream interleave knob's per-launch side: where compiled in, "1" always; "auto" for
-    CTAs of at least ``min_rows`` rows over segments of at least ``segment_steps`` steps of the
-    grid's row CTAs on average (each step into a new segment is a lookup on the row's path)."""
+def _takes_stream_walk(knob: str, n_rows: int, n_segments: int, rows_per_cta: int, min_rows: int,
+                       segment_steps: int) -> bool:
+    """A stream interleave knob's per-launch side, asked only where the launched kernel has the
+    walk compiled in: "1" always; "auto" for CTAs of at least ``min_rows`` rows over segments of
+    at least ``segment_steps`` steps of the grid's row CTAs on average (each step into a new
+    segment is a lookup on the row's path)."""
     if knob in ("0", "1"):  # per call on the host: the common answers first, no nested calls
         return knob == "1"
-    if coff not in auto_coffs or rows_per_cta < min_rows:
+    if rows_per_cta < min_rows:
         return False
     return n_rows >= segment_steps * max(1, n_segments) * -(-n_rows // rows_per_cta)
 
@@ -901,8 +902,9 @@ def fwd_interleaved(n_rows: int, n_segments: int, coff: int, rows_per_cta: int) 
     """Whether a stream forward launch of ``rows_per_cta`` rows per CTA (``fwd_rows_per_cta``)
     walks its CTAs' rows interleaved (``STREAM_FWD_INTERLEAVE``). The forward's outputs do not
     depend on its walk: each row is pooled whole by one CTA."""
-    return _takes_stream_walk(STREAM_FWD_INTERLEAVE, coff, n_rows, n_segments, rows_per_cta,
-                              STREAM_FWD_INTERLEAVE_MIN_ROWS, STREAM_FWD_INTERLEAVE_SEGMENT_STEPS)
+    return stream_fwd_may_interleave(coff) and _takes_stream_walk(
+        STREAM_FWD_INTERLEAVE, n_rows, n_segments, rows_per_cta, STREAM_FWD_INTERLEAVE_MIN_ROWS,
+        STREAM_FWD_INTERLEAVE_SEGMENT_STEPS)
 
 
 #: Register-window backward: a CTA walks its rows interleaved with the other CTAs' (a thread's
@@ -1000,11 +1002,9 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
     slab sums the rows it walked) depends on nothing else. Stream family: see
     ``STREAM_BWD_INTERLEAVE``."""
     if sched.family == "stream":  # rows_per_thread: rows per CTA, so the steps are its row groups
-        if coff == 2 and sched.threads < STREAM_BWD_INTERLEAVE_C2_MIN_THREADS and STREAM_BWD_INTERLEAVE == "auto":
-            return False  # not compiled in (``stream_bwd_may_interleave``)
-        return _takes_stream_walk(STREAM_BWD_INTERLEAVE, coff, n_rows, n_segments, rows_per_thread,
-                                  STREAM_BWD_INTERLEAVE_MIN_ROWS, STREAM_BWD_INTERLEAVE_SEGMENT_STEPS,
-                                  STREAM_BWD_WALK_COFFS)
+        return stream_bwd_may_interleave(coff, sched.threads) and _takes_stream_walk(
+            STREAM_BWD_INTERLEAVE, n_rows, n_segments, rows_per_thread, STREAM_BWD_INTERLEAVE_MIN_ROWS,
+            STREAM_BWD_INTERLEAVE_SEGMENT_STEPS)
     if WINDOW_BWD_INTERLEAVE == "0":
         return False
     if WINDOW_BWD_INTERLEAVE == "1":
