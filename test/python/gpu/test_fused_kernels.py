@@ -993,28 +993,15 @@ def test_interleaved_stream_backward_walk_gives_the_contiguous_gradients(monkeyp
         torch.testing.assert_close(gape, want_ape, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.L1
-def test_long_coff2_stream_backward_default_plan(monkeypatch):
-    """A long two-segment r128 c2 d256 pack on the default planner: its stream backward walks
-    interleaved on the narrower long-launch grid (session 57), meets the stream contract against
-    the reference, and gives the gradients of the contiguous walk on the full grid: grad_kv and
-    grad_score bit for bit, grad_ape to rounding (its slabs group the rows otherwise)."""
+def _walked_backward_matches_the_contiguous_plan(monkeypatch, ratio, coff, head_dim, lengths):
+    """The stream contract against the reference on the default planner, then the gradients of
+    the plan of before session 57 (no coff-2 walk, the full grid): grad_kv and grad_score bit for
+    bit, grad_ape to rounding (its slabs group the rows otherwise)."""
     from csa_frontend.compressor.kernels import dispatch
-    ratio, coff, head_dim = 128, 2, 256
-    lengths = [150 * ratio + 77, 150 * ratio - 77]
     cu, comp = offsets(lengths, ratio)
     rows = int(comp[-1])
-    entry = current_kernels("bwd", ratio, coff, head_dim)
-    assert entry.sched.family == "stream"
-    slab = schedule.slab_bytes(ratio, coff, head_dim)
-    _, _, sched, rpt = dispatch.backward_for_rows(rows, *entry, slab)
-    assert sched == entry.sched  # the default kernels, not the row-count bucket's
-    assert schedule.stream_bwd_row_ctas(rows, entry.sched, entry.per_sm) < \
-        schedule.stream_row_ctas(entry.sched, "bwd", entry.per_sm)
-    assert schedule.bwd_interleaved(rows, 2, ratio, coff, head_dim, entry.sched, rpt)
     check_pack(ratio, coff, head_dim, lengths, pad_rows=0, seed=57, extra_tokens=3, fwd_exact=False,
                bwd_exact=False)
-
     kv, score, ape = random_inputs(int(cu[-1]), ratio, coff, head_dim)
     grad_out = torch.randn(rows, head_dim, device="cuda").to(torch.bfloat16)
     got = run_backward(kv, score, ape, cu, comp, grad_out, ratio, coff, head_dim)
@@ -1031,6 +1018,47 @@ def test_long_coff2_stream_backward_default_plan(monkeypatch):
             assert not torch.isnan(g.float()).any(), f"{name}: elements left unwritten"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5 * want[2].abs().max().item())
+
+
+def _default_stream_backward(ratio, coff, head_dim, rows):
+    """The default planner's kernels for ``rows`` rows, with its rows per CTA."""
+    from csa_frontend.compressor.kernels import dispatch
+    entry = current_kernels("bwd", ratio, coff, head_dim)
+    assert entry.sched.family == "stream"
+    _, _, sched, rpt = dispatch.backward_for_rows(rows, *entry, schedule.slab_bytes(ratio, coff, head_dim))
+    assert sched == entry.sched  # the default kernels, not the row-count bucket's
+    return entry, rpt
+
+
+@pytest.mark.L1
+def test_long_coff2_stream_backward_default_plan(monkeypatch):
+    """A long two-segment r128 c2 d256 pack on the default planner: its stream backward walks
+    interleaved on the narrower long-launch grid (session 57) and gives the contiguous plan's
+    gradients."""
+    ratio, coff, head_dim = 128, 2, 256
+    lengths = [150 * ratio + 77, 150 * ratio - 77]
+    rows = int(offsets(lengths, ratio)[1][-1])
+    entry, rpt = _default_stream_backward(ratio, coff, head_dim, rows)
+    assert schedule.stream_bwd_row_ctas(rows, entry.sched, entry.per_sm) < \
+        schedule.stream_row_ctas(entry.sched, "bwd", entry.per_sm)
+    assert schedule.bwd_interleaved(rows, 2, ratio, coff, head_dim, entry.sched, rpt)
+    _walked_backward_matches_the_contiguous_plan(monkeypatch, ratio, coff, head_dim, lengths)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,head_dim,threads", [(17, 256, 160), (37, 128, 320)])
+def test_narrow_coff2_stream_backward_walks_by_default(monkeypatch, ratio, head_dim, threads):
+    """Coff-2 stream backwards of CTAs narrower than 384 threads walk interleaved too (session
+    58) and give the contiguous plan's gradients: two segments of about 12 rows per row CTA."""
+    coff = 2
+    entry = current_kernels("bwd", ratio, coff, head_dim)
+    assert entry.sched.threads == threads
+    rows = 12 * schedule.stream_row_ctas(entry.sched, "bwd", entry.per_sm)
+    lengths = [(rows // 2) * ratio + 5, (rows - rows // 2) * ratio - 3]
+    rows = int(offsets(lengths, ratio)[1][-1])
+    entry, rpt = _default_stream_backward(ratio, coff, head_dim, rows)
+    assert schedule.bwd_interleaved(rows, 2, ratio, coff, head_dim, entry.sched, rpt)
+    _walked_backward_matches_the_contiguous_plan(monkeypatch, ratio, coff, head_dim, lengths)
 
 
 # ---- the bulk-copy forward (window_fwd_bulk): producer warp, mbarrier ring, chained blocks ----

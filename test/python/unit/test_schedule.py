@@ -335,15 +335,16 @@ def test_stream_forward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, kn
 
 @pytest.mark.parametrize("knob,coff,threads,expected", [
     ("auto", 1, 256, True), ("auto", 1, 512, True), ("auto", 2, 512, True), ("auto", 2, 384, True),
-    ("auto", 2, 256, False), ("0", 1, 512, False), ("0", 2, 512, False), ("1", 2, 256, True)])
+    ("auto", 2, 320, True), ("auto", 2, 160, True), ("auto", 2, 128, True), ("auto", 2, 256, False),
+    ("0", 1, 512, False), ("0", 2, 512, False), ("1", 2, 256, True)])
 def test_stream_backward_compiles_the_walk_unless_it_would_spill(monkeypatch, knob, coff, threads, expected):
-    """coff 2 compiles the walk only into CTAs of at least STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
-    threads: the 256-thread coff-2 kernels (128 registers for 2 CTAs per SM) spill with it."""
+    """coff 2 compiles the walk into every CTA width but STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS:
+    the 256-thread coff-2 kernels (128 registers for 2 CTAs per SM) spill with it."""
     monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", knob)
     assert sch.stream_bwd_may_interleave(coff, threads) is expected
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (16, 2, 128), (48, 2, 64),
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (16, 2, 128), (48, 2, 64), (17, 2, 256),
                                                 (100, 2, 128), (256, 2, 512), (128, 1, 128), (32, 1, 128)])
 def test_stream_backward_walks_only_where_compiled_in(ratio, coff, head_dim):
     """No launch asks the compiled kernel for a walk it was built without."""
@@ -374,12 +375,13 @@ def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
     assert segs >= 1
     assert sch.bwd_interleaved(n_rows, segs, 128, 1, 128, s, rpt)
     assert not sch.bwd_interleaved(n_rows, segs + 1, 128, 1, 128, s, rpt)
-    # coff 2 the same where compiled in (CTAs of >= 384 threads), never in 256-thread CTAs
-    s2 = sch.choose_schedule(128, 2, 512, "bwd")
-    assert s2.threads >= sch.STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
-    assert sch.bwd_interleaved(10 ** 6, 1, 128, 2, 512, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
+    # coff 2 the same where compiled in (CTAs of 512, 320, 160 threads), never in 256-thread CTAs
+    for ratio, head_dim, threads in ((128, 512, 512), (37, 512, 320), (17, 256, 160)):
+        s2 = sch.choose_schedule(ratio, 2, head_dim, "bwd")
+        assert s2.threads == threads
+        assert sch.bwd_interleaved(10 ** 6, 1, ratio, 2, head_dim, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
     s3 = sch.choose_schedule(16, 2, 256, "bwd")
-    assert s3.threads < sch.STREAM_BWD_INTERLEAVE_C2_MIN_THREADS
+    assert s3.threads == sch.STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS
     assert not sch.bwd_interleaved(10 ** 6, 1, 16, 2, 256, s3, sch.bwd_rows_per_thread(10 ** 6, s3))
 
 

@@ -948,7 +948,7 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
 #: the whole grid works through one region of the pack at a time (the register window's
 #: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2
-#: ones of >= 384 threads ("auto"; "1": every stream backward, "0": none) and taken by launches
+#: ones but of 256 threads ("auto"; "1": every stream backward, "0": none) and taken by launches
 #: whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
 #: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
 #: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
@@ -972,25 +972,31 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2 d256 275.2-275.8 -> 247.2, 1x65536 r128 c2
 #: d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128 33.3-33.5 -> 32.3-32.5; with the long
 #: grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128 c2 d512 200.4-200.7 -> 193.9-194.6).
-#: Except into CTAs of fewer than STREAM_BWD_INTERLEAVE_C2_MIN_THREADS threads: the 256-thread
-#: coff-2 kernels (r16 c2 d128 and d256: two CTAs per SM at 128 registers) spill 48 bytes with it
-#: (ptxas, sass_budget.py), and 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the
-#: long grid), even where a launch did not take the walk. The H200 is not measured with the coff-2
-#: walk since session 37 (no clusters then, no gain: 155.6 -> 155.0).
+#: Except into coff-2 CTAs of STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS threads (two per SM at the
+#: 128-register cap): there r16 c2 d128 and d256 spill 48 bytes with it (ptxas, sass_budget.py)
+#: and r16 c2 d512 needs 134 registers, and 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1
+#: with the long grid), even where a launch did not take the walk. The other widths compile it at
+#: -3 to +3 registers without spills (session 58, ptxas: r9 c2 d1024, r12 c2 d256, r17 c2 d256,
+#: r20 c2 d512, r24 c2 d256, r28 c2 d512, r36/r37/r44 c2 d512; but r15 c2 d128, r29 c2 d128 and r30
+#: c2 d512, 256 threads, do not spill either) and gain where measured (H100, bwd us, two rounds,
+#: not compiled in -> forced in): 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 -> 102.5, 102.9;
+#: r24 c2 d256 (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 -> 221.4, 220.1;
+#: r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. The H200 is not measured with the coff-2 walk
+#: since session 37 (no clusters then, no gain: 155.6 -> 155.0).
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
-#: the coffs "auto" compiles the walk into (coff 2 at >= STREAM_BWD_INTERLEAVE_C2_MIN_THREADS);
+#: the coffs "auto" compiles the walk into (coff 2 but at STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS);
 #: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
 STREAM_BWD_WALK_COFFS = tuple(int(c) for c in os.environ.get("CSA_FRONTEND_STREAM_BWD_WALK_COFFS", "1,2").split(","))
 STREAM_BWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
-STREAM_BWD_INTERLEAVE_C2_MIN_THREADS = 384
+STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS = 256
 
 
 def stream_bwd_may_interleave(coff: int, threads: int) -> bool:
     """Whether the stream backward of ``coff`` with CTAs of ``threads`` threads is compiled with
     the interleaved walk (``STREAM_BWD_INTERLEAVE``); a launch takes it where
     ``bwd_interleaved`` says so."""
-    if STREAM_BWD_INTERLEAVE == "auto" and coff == 2 and threads < STREAM_BWD_INTERLEAVE_C2_MIN_THREADS:
+    if STREAM_BWD_INTERLEAVE == "auto" and coff == 2 and threads == STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS:
         return False
     return _compiles_stream_walk(STREAM_BWD_INTERLEAVE, coff, STREAM_BWD_WALK_COFFS)
 
