@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Runs sanitize_cases.py (forward and backward of r4 c2 d128, r3 c1 d65 and r4 c2 d2 on ragged packs with
-# empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64 (512-thread
-# forward, backwards combining once per CTA) and r32 c1 d64 (the online forward; pipelined with it off,
-# every warp combining) of the stream family, their backwards under both row-count schedules; every forward of these small
-# packs both as the serial forward and as its family's own (the stream kernels also on launches of
-# rows * ratio == tokens, where they guess their first rows, the backward under both schedules);
-# r4 c2 d512 through the bulk-copy forward and the interleaved backward row walk; r4 c1 d520
-# through the wide (16-byte) register-window backward; r32 c1 d64's
-# interleaved stream backward and forward walks and r64 c2 d128's interleaved stream backward;
-# the atomic grad_ape path of five of them; backwards without grad_ape (a frozen ape) of two,
-# deterministic and atomic; a side-stream call; a pack without rows) under compute-sanitizer's memcheck, racecheck and initcheck, one after another,
-# and prints one summary line per tool. Exits non-zero if any tool reports an error, the script fails, or a run exceeds
-# its time limit.
+# Runs sanitize_cases.py (forward and backward of r4 c2 d128, r3 c1 d65 and r4 c2 d2 on ragged packs
+# with empty and short segments, tails, spare tokens and padding rows; r64 c2 d128, r128 c2 d64
+# (512-thread forward, backwards combining once per CTA) and r32 c1 d64 (the online forward;
+# pipelined with it off, every warp combining) of the stream family, their backwards under both
+# row-count schedules; every forward of these small packs both as the serial forward and as its
+# family's own (the stream kernels also on launches of rows * ratio == tokens, where they guess
+# their first rows, the backward under both schedules); r4 c2 d512 through the bulk-copy forward and
+# the interleaved backward row walk; r4 c1 d520 through the wide (16-byte) register-window backward;
+# r32 c1 d64's interleaved stream backward and forward walks and r64 c2 d128's interleaved stream
+# backward; the atomic grad_ape path of five of them; backwards without grad_ape (a frozen ape) of
+# two, deterministic and atomic; a side-stream call; a pack without rows) under compute-sanitizer's
+# memcheck, racecheck and initcheck, one after another, and prints one summary line per tool. Exits
+# non-zero if any tool reports an error, the script fails, or a run exceeds its time limit.
 #
 #   bash test/python/gpu/sanitize.sh                 # from the repository root, csa_frontend importable
 #

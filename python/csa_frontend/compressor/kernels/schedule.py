@@ -701,7 +701,13 @@ def stream_row_ctas(sched: Schedule, direction: str, resident: "int | None" = No
     if sms is None and direction == "bwd":
         sms = STREAM_BWD_GRID_SMS
     sms = sms or STREAM_GRID_SMS
-    return max(1, sms * _stream_ctas_per_sm(sched, direction, target, resident) // sched.col_tiles)
+    return _row_ctas_on(sms, _stream_ctas_per_sm(sched, direction, target, resident), sched)
+
+
+def _row_ctas_on(sms: int, per_sm: int, sched: Schedule) -> int:
+    """Row CTAs of a one-wave grid of ``per_sm`` CTAs on each of ``sms`` SMs, over the column
+    tiles (rounded down, at least one)."""
+    return max(1, sms * per_sm // sched.col_tiles)
 
 
 def _stream_ctas_per_sm(sched: Schedule, direction: str, target: int, resident: "int | None") -> int:
@@ -762,10 +768,10 @@ def stream_bwd_row_ctas(n_rows: int, sched: Schedule, resident: "int | None" = N
     if not 0 < long_sms < STREAM_GRID_SMS or STREAM_BWD_GRID_SMS or not STREAM_RESIDENT["bwd"]:
         return stream_row_ctas(sched, "bwd", resident)
     per_sm = _stream_ctas_per_sm(sched, "bwd", STREAM_BWD_TARGET_THREADS, resident)
-    full = max(1, STREAM_GRID_SMS * per_sm // sched.col_tiles)
+    full = _row_ctas_on(STREAM_GRID_SMS, per_sm, sched)
     if n_rows < STREAM_BWD_LONG_GRID_MIN_ROWS * full:
         return full
-    narrow = max(1, long_sms * per_sm // sched.col_tiles)
+    narrow = _row_ctas_on(long_sms, per_sm, sched)
     return narrow if narrow * STREAM_GRID_SMS == full * long_sms else full
 
 
