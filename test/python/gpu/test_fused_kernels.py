@@ -1046,10 +1046,10 @@ def test_long_coff2_stream_backward_default_plan(monkeypatch):
 
 
 @pytest.mark.L1
-@pytest.mark.parametrize("ratio,head_dim,threads", [(17, 256, 160), (37, 128, 320)])
+@pytest.mark.parametrize("ratio,head_dim,threads", [(17, 256, 160), (37, 128, 320), (15, 256, 256)])
 def test_narrow_coff2_stream_backward_walks_by_default(monkeypatch, ratio, head_dim, threads):
-    """Coff-2 stream backwards of CTAs narrower than 384 threads walk interleaved too (session
-    58) and give the contiguous plan's gradients: two segments of about 12 rows per row CTA."""
+    """Coff-2 stream backwards of CTAs narrower than 384 threads walk interleaved too (sessions
+    58-59) and give the contiguous plan's gradients: two segments of about 12 rows per row CTA."""
     coff = 2
     entry = current_kernels("bwd", ratio, coff, head_dim)
     assert entry.sched.threads == threads

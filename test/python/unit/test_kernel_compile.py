@@ -25,6 +25,7 @@ CONFIGS = [  # (ratio, coff, head_dim)
     (16, 2, 256), (128, 2, 512), (256, 2, 65), (200, 2, 192), (33, 1, 66), (4, 2, 512), (2, 2, 1024), (4, 2, 2),
     (16, 1, 128),  # the longest forward window in registers (16 positions at vec 2); its backward streams
     (37, 2, 128),  # a 320-thread coff-2 stream backward, compiled with the interleaved walk
+    (15, 2, 256),  # a 256-thread coff-2 stream backward, compiled with the interleaved walk
 ]
 ARCHS = ["sm_90a", "sm_100a", "sm_80"]
 

@@ -333,15 +333,28 @@ def test_stream_forward_compiles_the_interleaved_walk_for_coff_1(monkeypatch, kn
     assert sch.stream_fwd_may_interleave(coff) is expected
 
 
-@pytest.mark.parametrize("knob,coff,threads,expected", [
-    ("auto", 1, 256, True), ("auto", 1, 512, True), ("auto", 2, 512, True), ("auto", 2, 384, True),
-    ("auto", 2, 320, True), ("auto", 2, 160, True), ("auto", 2, 128, True), ("auto", 2, 256, False),
-    ("0", 1, 512, False), ("0", 2, 512, False), ("1", 2, 256, True)])
-def test_stream_backward_compiles_the_walk_unless_it_would_spill(monkeypatch, knob, coff, threads, expected):
-    """coff 2 compiles the walk into every CTA width but STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS:
-    the 256-thread coff-2 kernels (128 registers for 2 CTAs per SM) spill with it."""
+@pytest.mark.parametrize("knob,ratio,coff,head_dim,expected", [
+    ("auto", 128, 1, 128, True), ("auto", 16, 1, 256, True), ("auto", 128, 2, 512, True),
+    ("auto", 37, 2, 512, True), ("auto", 17, 2, 256, True), ("auto", 15, 2, 256, True),
+    ("auto", 29, 2, 512, True), ("auto", 16, 2, 130, True), ("auto", 16, 2, 256, False),
+    ("auto", 16, 2, 1024, False), ("0", 128, 1, 128, False), ("0", 128, 2, 512, False),
+    ("1", 16, 2, 256, True)])
+def test_stream_backward_compiles_the_walk_unless_it_would_spill(monkeypatch, knob, ratio, coff, head_dim, expected):
+    """coff 2 compiles the walk into every kernel class but STREAM_BWD_WALK_SPILLS: the 256-thread
+    r16 c2 kernels at vec 4 (128 registers for 2 CTAs per SM) spill with it."""
     monkeypatch.setattr(sch, "STREAM_BWD_INTERLEAVE", knob)
-    assert sch.stream_bwd_may_interleave(coff, threads) is expected
+    s = sch.choose_schedule(ratio, coff, head_dim, "bwd")
+    assert s.family == "stream"
+    assert sch.stream_bwd_may_interleave(ratio, coff, s) is expected
+
+
+def test_stream_backward_walk_spills_name_stream_kernels():
+    """Each class left out names a stream backward that exists: a stale entry would silently
+    leave nothing out."""
+    for ratio, vec, threads in sch.STREAM_BWD_WALK_SPILLS:
+        found = [s for d in range(1, 1025) for s in [sch.choose_schedule(ratio, 2, d, "bwd")]
+                 if s.family == "stream" and s.vec == vec and s.threads == threads]
+        assert found, (ratio, vec, threads)
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 256), (16, 2, 128), (48, 2, 64), (17, 2, 256),
@@ -353,7 +366,7 @@ def test_stream_backward_walks_only_where_compiled_in(ratio, coff, head_dim):
     for n_rows in (7, 300, 4096, 65536, 10 ** 6):
         for n_seg in (1, 3, 64):
             if sch.bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, s, sch.bwd_rows_per_thread(n_rows, s)):
-                assert sch.stream_bwd_may_interleave(coff, s.threads)
+                assert sch.stream_bwd_may_interleave(ratio, coff, s)
 
 
 def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
@@ -375,13 +388,14 @@ def test_stream_backward_interleaves_long_segments_of_many_rows_per_cta():
     assert segs >= 1
     assert sch.bwd_interleaved(n_rows, segs, 128, 1, 128, s, rpt)
     assert not sch.bwd_interleaved(n_rows, segs + 1, 128, 1, 128, s, rpt)
-    # coff 2 the same where compiled in (CTAs of 512, 320, 160 threads), never in 256-thread CTAs
-    for ratio, head_dim, threads in ((128, 512, 512), (37, 512, 320), (17, 256, 160)):
+    # coff 2 the same where compiled in (CTAs of 512, 320, 160, 256 threads), never in the
+    # kernels that would spill with it
+    for ratio, head_dim, threads in ((128, 512, 512), (37, 512, 320), (17, 256, 160), (15, 256, 256)):
         s2 = sch.choose_schedule(ratio, 2, head_dim, "bwd")
         assert s2.threads == threads
         assert sch.bwd_interleaved(10 ** 6, 1, ratio, 2, head_dim, s2, sch.bwd_rows_per_thread(10 ** 6, s2))
     s3 = sch.choose_schedule(16, 2, 256, "bwd")
-    assert s3.threads == sch.STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS
+    assert (16, s3.vec, s3.threads) in sch.STREAM_BWD_WALK_SPILLS
     assert not sch.bwd_interleaved(10 ** 6, 1, 16, 2, 256, s3, sch.bwd_rows_per_thread(10 ** 6, s3))
 
 

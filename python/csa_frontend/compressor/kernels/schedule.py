@@ -954,10 +954,10 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
 #: the whole grid works through one region of the pack at a time (the register window's
 #: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2
-#: ones but of 256 threads ("auto"; "1": every stream backward, "0": none) and taken by launches
-#: whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
-#: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
-#: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
+#: ones but ``STREAM_BWD_WALK_SPILLS`` ("auto"; "1": every stream backward, "0": none) and
+#: taken by launches whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over
+#: segments of at least ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into
+#: a new segment is a lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
 #: contiguous -> interleaved): 1x131072 r128 c1 d128 44.87, 45.04, 45.32, 44.81 -> 41.83, 41.75,
 #: 42.23, 41.97; 1x65536 r64 c1 d512 77.06, 76.45, 76.84, 77.04 -> 75.05, 75.11, 76.40, 75.41;
 #: 1x65536 r16 c1 d256 42.89, 42.80 -> 41.94, 41.58; 1x262144 r256 c1 d64 45.69, 45.68 -> 44.63,
@@ -978,31 +978,38 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2 d256 275.2-275.8 -> 247.2, 1x65536 r128 c2
 #: d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128 33.3-33.5 -> 32.3-32.5; with the long
 #: grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128 c2 d512 200.4-200.7 -> 193.9-194.6).
-#: Except into coff-2 CTAs of STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS threads (two per SM at the
-#: 128-register cap): there r16 c2 d128 and d256 spill 48 bytes with it (ptxas, sass_budget.py)
-#: and r16 c2 d512 needs 134 registers, and 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1
-#: with the long grid), even where a launch did not take the walk. The other widths compile it at
-#: -3 to +3 registers without spills (session 58, ptxas: r9 c2 d1024, r12 c2 d256, r17 c2 d256,
-#: r20 c2 d512, r24 c2 d256, r28 c2 d512, r36/r37/r44 c2 d512; but r15 c2 d128, r29 c2 d128 and r30
-#: c2 d512, 256 threads, do not spill either) and gain where measured (H100, bwd us, two rounds,
-#: not compiled in -> forced in): 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 -> 102.5, 102.9;
-#: r24 c2 d256 (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 -> 221.4, 220.1;
-#: r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. The H200 is not measured with the coff-2 walk
-#: since session 37 (no clusters then, no gain: 155.6 -> 155.0).
+#: Except into the one coff-2 kernel class that spills with it (``STREAM_BWD_WALK_SPILLS``: ratio
+#: 16 at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and
+#: d1024 spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and
+#: 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the long grid), even where a launch
+#: did not take the walk. Every other coff-2 class compiles it at -2 to +3 registers without
+#: spills (ptxas, sessions 58-59: 160-320 threads r9 c2 d1024, r12/r17/r24 c2 d256, r20/r28/r36/
+#: r37/r44 c2 d512; 256 threads r13-r16 c2 d130 and r16 c2 d66 at vec 2, r15 c2 d128-d1024,
+#: r25/r28/r29/r32 c2 d129, r29/r32 c2 d130, r29-r32 c2 d64-d1024, r57/r64/r113 c2 d257, r57 c2
+#: d258, r128 c2 d15, r256 c2 d7) and gains where measured (H100, bwd us, two alternating rounds,
+#: not compiled in -> forced in). Session 58: 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 ->
+#: 102.5, 102.9; r24 c2 d256 (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 ->
+#: 221.4, 220.1; r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536
+#: r15 c2 d256 109.5, 109.3 -> 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536
+#: r29 c2 d512 218.3, 219.3 -> 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0,
+#: 31.0 -> 29.9, 29.9. The H200 is not measured with the coff-2 walk since session 37 (no
+#: clusters then, no gain: 155.6 -> 155.0).
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
-#: the coffs "auto" compiles the walk into (coff 2 but at STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS);
+#: the coffs "auto" compiles the walk into (coff 2 but in STREAM_BWD_WALK_SPILLS);
 #: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
 STREAM_BWD_WALK_COFFS = tuple(int(c) for c in os.environ.get("CSA_FRONTEND_STREAM_BWD_WALK_COFFS", "1,2").split(","))
 STREAM_BWD_INTERLEAVE_MIN_ROWS = 8
 STREAM_BWD_INTERLEAVE_SEGMENT_STEPS = 4
-STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS = 256
+#: the kernel classes, (ratio, vec, threads), that "auto" leaves the coff-2 walk out of
+STREAM_BWD_WALK_SPILLS = frozenset({(16, 4, 256)})
 
 
-def stream_bwd_may_interleave(coff: int, threads: int) -> bool:
-    """Whether the stream backward of ``coff`` with CTAs of ``threads`` threads is compiled with
+def stream_bwd_may_interleave(ratio: int, coff: int, sched: Schedule) -> bool:
+    """Whether the stream backward of ``ratio``, ``coff`` on schedule ``sched`` is compiled with
     the interleaved walk (``STREAM_BWD_INTERLEAVE``); a launch takes it where
     ``bwd_interleaved`` says so."""
-    if STREAM_BWD_INTERLEAVE == "auto" and coff == 2 and threads == STREAM_BWD_INTERLEAVE_C2_SKIP_THREADS:
+    if (STREAM_BWD_INTERLEAVE == "auto" and coff == 2
+            and (ratio, sched.vec, sched.threads) in STREAM_BWD_WALK_SPILLS):
         return False
     return _compiles_stream_walk(STREAM_BWD_INTERLEAVE, coff, STREAM_BWD_WALK_COFFS)
 
@@ -1014,7 +1021,7 @@ def bwd_interleaved(n_rows: int, n_segments: int, ratio: int, coff: int, head_di
     slab sums the rows it walked) depends on nothing else. Stream family: see
     ``STREAM_BWD_INTERLEAVE``."""
     if sched.family == "stream":  # rows_per_thread: rows per CTA, so the steps are its row groups
-        return stream_bwd_may_interleave(coff, sched.threads) and _takes_stream_walk(
+        return stream_bwd_may_interleave(ratio, coff, sched) and _takes_stream_walk(
             STREAM_BWD_INTERLEAVE, n_rows, n_segments, rows_per_thread, STREAM_BWD_INTERLEAVE_MIN_ROWS,
             STREAM_BWD_INTERLEAVE_SEGMENT_STEPS)
     if WINDOW_BWD_INTERLEAVE == "0":

@@ -134,7 +134,7 @@ class StreamBackward(BackwardKernel):
             # compiled in where ``stream_bwd_may_interleave``)
             row = bx * rows_per_cta
             step = Int32(1)
-            if cutlass.const_expr(stream_bwd_may_interleave(coff, self.sched.threads)):
+            if cutlass.const_expr(stream_bwd_may_interleave(ratio, coff, self.sched)):
                 if interleaved != 0:
                     row = bx
                     step = row_groups
