@@ -951,49 +951,49 @@ WINDOW_BWD_INTERLEAVE_MIN_ROWS = 8
 WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 
 
-#: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so
-#: the whole grid works through one region of the pack at a time (the register window's
-#: interleaved walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2
-#: ones but ``STREAM_BWD_WALK_SPILLS`` ("auto"; "1": every stream backward, "0": none) and
-#: taken by launches whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over
-#: segments of at least ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into
-#: a new segment is a lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
+#: Stream backward: each CTA walks rows ``row_groups`` apart instead of one contiguous run, so the
+#: whole grid works through one region of the pack at a time (the register window's interleaved
+#: walk, ``WINDOW_BWD_INTERLEAVE``). Compiled into the coff-1 kernels and the coff-2 ones but
+#: ``STREAM_BWD_WALK_SPILLS`` ("auto"; "1": every stream backward, "0": none) and taken by launches
+#: whose CTAs walk at least ``STREAM_BWD_INTERLEAVE_MIN_ROWS`` rows over segments of at least
+#: ``STREAM_BWD_INTERLEAVE_SEGMENT_STEPS`` steps on average (each step into a new segment is a
+#: lookup on the row's path). Measured on the H200 (session 37, two alternating rounds, bwd us
 #: contiguous -> interleaved): 1x131072 r128 c1 d128 44.87, 45.04, 45.32, 44.81 -> 41.83, 41.75,
 #: 42.23, 41.97; 1x65536 r64 c1 d512 77.06, 76.45, 76.84, 77.04 -> 75.05, 75.11, 76.40, 75.41;
 #: 1x65536 r16 c1 d256 42.89, 42.80 -> 41.94, 41.58; 1x262144 r256 c1 d64 45.69, 45.68 -> 44.63,
-#: 44.47; 8x16384 r200 c1 d192 76.2, 76.6 -> 76.3, 76.0; CTAs of 2-4 rows gain nothing (1x8192
-#: r128 c1 d128 7.81, 7.73 -> 7.86, 7.85; 1x16384 r64 c1 d512 24.0, 23.7 -> 23.9, 23.9); packs of
-#: short segments lose (64x2000 r32 c1 d128 41.8, 41.5 -> 45.7, 45.8; 512x300 r64 c1 d128 51.6,
-#: 51.4 -> 66.4, 66.8) though 100x1311 r128 c1 d128 gained (46.2, 46.1 -> 44.0, 44.4); coff 2
-#: gains nothing (1x65536 r128 c2 d512 155.6, 155.7 -> 155.3, 154.7; 4x8192 r16 c2 d256 41.2,
-#: 41.1 -> 41.0, 40.8; 48x2048 r32 c2 d256 115.1, 114.4 -> 118.1, 117.6). The stream forward
-#: walked the same way was mixed (r128 c1 d128 19.3 -> 19.1, r128 c2 d512 66.3 -> 66.7, 100x1311
-#: r128 c1 d128 20.4 -> 21.4) and is not. With the rule (third call, contiguous -> auto): 1x131072
-#: r128 c1 d128 44.84 -> 42.10, 1x65536 r64 c1 d512 76.96 -> 75.37; 512x300, 64x2000 and 100x1311
-#: (contiguous by the rule) 50.68, 41.40, 46.13 -> 50.87, 41.68, 46.26. Tuning knob,
-#: CSA_FRONTEND_STREAM_BWD_INTERLEAVE=auto|0|1 ("1" also interleaves every launch that can).
-#: Since session 57 (H100 with clusters, NOTES rows 172-173; bwd us, walk in coff 1 only -> in
-#: coff 2 too, 128 SMs) "auto" compiles the walk into coff 2 as well: 1x65536 r128 c2 d512
-#: 213.2-218.3 -> 208.2-210.1, 1x131072 r128 c2 d512 408.5-408.8 -> 401.0-402.2, 1x65536 r256 c2
-#: d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2 d256 275.2-275.8 -> 247.2, 1x65536 r128 c2
-#: d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128 33.3-33.5 -> 32.3-32.5; with the long
-#: grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128 c2 d512 200.4-200.7 -> 193.9-194.6).
-#: Except into the one coff-2 kernel class that spills with it (``STREAM_BWD_WALK_SPILLS``: ratio
-#: 16 at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and
-#: d1024 spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and
-#: 1x32768 r16 c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the long grid), even where a launch
-#: did not take the walk. Every other coff-2 class compiles it at -2 to +3 registers without
-#: spills (ptxas, sessions 58-59: 160-320 threads r9 c2 d1024, r12/r17/r24 c2 d256, r20/r28/r36/
-#: r37/r44 c2 d512; 256 threads r13-r16 c2 d130 and r16 c2 d66 at vec 2, r15 c2 d128-d1024,
-#: r25/r28/r29/r32 c2 d129, r29/r32 c2 d130, r29-r32 c2 d64-d1024, r57/r64/r113 c2 d257, r57 c2
-#: d258, r128 c2 d15, r256 c2 d7) and gains where measured (H100, bwd us, two alternating rounds,
-#: not compiled in -> forced in). Session 58: 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 ->
-#: 102.5, 102.9; r24 c2 d256 (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 ->
-#: 221.4, 220.1; r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536
-#: r15 c2 d256 109.5, 109.3 -> 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536
-#: r29 c2 d512 218.3, 219.3 -> 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0,
-#: 31.0 -> 29.9, 29.9. The H200 is not measured with the coff-2 walk since session 37 (no
-#: clusters then, no gain: 155.6 -> 155.0).
+#: 44.47; 8x16384 r200 c1 d192 76.2, 76.6 -> 76.3, 76.0; CTAs of 2-4 rows gain nothing (1x8192 r128
+#: c1 d128 7.81, 7.73 -> 7.86, 7.85; 1x16384 r64 c1 d512 24.0, 23.7 -> 23.9, 23.9); packs of short
+#: segments lose (64x2000 r32 c1 d128 41.8, 41.5 -> 45.7, 45.8; 512x300 r64 c1 d128 51.6, 51.4 ->
+#: 66.4, 66.8) though 100x1311 r128 c1 d128 gained (46.2, 46.1 -> 44.0, 44.4); coff 2 gains nothing
+#: (1x65536 r128 c2 d512 155.6, 155.7 -> 155.3, 154.7; 4x8192 r16 c2 d256 41.2, 41.1 -> 41.0, 40.8;
+#: 48x2048 r32 c2 d256 115.1, 114.4 -> 118.1, 117.6). The stream forward walked the same way was
+#: mixed (r128 c1 d128 19.3 -> 19.1, r128 c2 d512 66.3 -> 66.7, 100x1311 r128 c1 d128 20.4 -> 21.4)
+#: and is not. With the rule (third call, contiguous -> auto): 1x131072 r128 c1 d128 44.84 -> 42.10,
+#: 1x65536 r64 c1 d512 76.96 -> 75.37; 512x300, 64x2000 and 100x1311 (contiguous by the rule) 50.68,
+#: 41.40, 46.13 -> 50.87, 41.68, 46.26. Tuning knob, CSA_FRONTEND_STREAM_BWD_INTERLEAVE=auto|0|1
+#: ("1" also interleaves every launch that can). Since session 57 (H100 with clusters, NOTES rows
+#: 172-173; bwd us, walk in coff 1 only -> in coff 2 too, 128 SMs) "auto" compiles the walk into
+#: coff 2 as well: 1x65536 r128 c2 d512 213.2-218.3 -> 208.2-210.1, 1x131072 r128 c2 d512
+#: 408.5-408.8 -> 401.0-402.2, 1x65536 r256 c2 d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2
+#: d256 275.2-275.8 -> 247.2, 1x65536 r128 c2 d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128
+#: 33.3-33.5 -> 32.3-32.5; with the long grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128
+#: c2 d512 200.4-200.7 -> 193.9-194.6).
+#: Except into the one coff-2 kernel class that spills with it (``STREAM_BWD_WALK_SPILLS``: ratio 16
+#: at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and d1024
+#: spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and 1x32768 r16
+#: c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the long grid), even where a launch did not take
+#: the walk. Every other coff-2 class compiles it at -2 to +3 registers without spills (ptxas,
+#: sessions 58-59: 160-320 threads r9 c2 d1024, r12/r17/r24 c2 d256, r20/r28/r36/ r37/r44 c2 d512;
+#: 256 threads r13-r16 c2 d130 and r16 c2 d66 at vec 2, r15 c2 d128-d1024, r25/r28/r29/r32 c2 d129,
+#: r29/r32 c2 d130, r29-r32 c2 d64-d1024, r57/r64/r113 c2 d257, r57 c2 d258, r128 c2 d15, r256 c2
+#: d7) and gains where measured (H100, bwd us, two alternating rounds, not compiled in -> forced
+#: in). Session 58: 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 -> 102.5, 102.9; r24 c2 d256
+#: (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 -> 221.4, 220.1; r20 c2 d512
+#: (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536 r15 c2 d256 109.5, 109.3 ->
+#: 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536 r29 c2 d512 218.3, 219.3 ->
+#: 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0, 31.0 -> 29.9, 29.9. The H200
+#: is not measured with the coff-2 walk since session 37 (no clusters then, no gain: 155.6 ->
+#: 155.0).
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
 #: the coffs "auto" compiles the walk into (coff 2 but in STREAM_BWD_WALK_SPILLS);
 #: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
