@@ -982,18 +982,18 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and d1024
 #: spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and 1x32768 r16
 #: c2 d256 went 54.8-55.4 -> 59.0 (62.4-64.1 with the long grid), even where a launch did not take
-#: the walk. Every other coff-2 class compiles it at -2 to +3 registers without spills (ptxas,
-#: sessions 58-59: 160-320 threads r9 c2 d1024, r12/r17/r24 c2 d256, r20/r28/r36/ r37/r44 c2 d512;
+#: the walk. Every other coff-2 class compiles it at -3 to +3 registers without spills (ptxas,
+#: sessions 58-59: 160-320 threads r9 c2 d1024, r12/r17/r24 c2 d256, r20/r28/r36/r37/r44 c2 d512;
 #: 256 threads r13-r16 c2 d130 and r16 c2 d66 at vec 2, r15 c2 d128-d1024, r25/r28/r29/r32 c2 d129,
-#: r29/r32 c2 d130, r29-r32 c2 d64-d1024, r57/r64/r113 c2 d257, r57 c2 d258, r128 c2 d15, r256 c2
-#: d7) and gains where measured (H100, bwd us, two alternating rounds, not compiled in -> forced
-#: in). Session 58: 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2 -> 102.5, 102.9; r24 c2 d256
-#: (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3 -> 221.4, 220.1; r20 c2 d512
-#: (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536 r15 c2 d256 109.5, 109.3 ->
-#: 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536 r29 c2 d512 218.3, 219.3 ->
-#: 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0, 31.0 -> 29.9, 29.9. The H200
-#: is not measured with the coff-2 walk since session 37 (no clusters then, no gain: 155.6 ->
-#: 155.0).
+#: r29/r32 c2 d130, r29 c2 d64-d1024, r30 c2 d128 and d512, r31/r32 c2 d64, r57/r64/r113 c2 d257,
+#: r57 c2 d258, r128 c2 d15, r256 c2 d7) and gains where measured (H100, bwd us, two alternating
+#: rounds, not compiled in -> forced in). Session 58: 1x65536 r17 c2 d256 (160 threads) 106.1, 105.2
+#: -> 102.5, 102.9; r24 c2 d256 (192) 102.7, 102.9 -> 101.3, 101.2; r37 c2 d512 (320) 226.1, 226.3
+#: -> 221.4, 220.1; r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536
+#: r15 c2 d256 109.5, 109.3 -> 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536
+#: r29 c2 d512 218.3, 219.3 -> 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0,
+#: 31.0 -> 29.9, 29.9. The H200 is not measured with the coff-2 walk since session 37 (no clusters
+#: then, no gain: 155.6 -> 155.0).
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
 #: the coffs "auto" compiles the walk into (coff 2 but in STREAM_BWD_WALK_SPILLS);
 #: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
