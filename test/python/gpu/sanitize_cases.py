@@ -34,7 +34,7 @@ FORCED_WALKS = [
     # the register window's wide (16-byte) backward of long coff-1 launches, at any row count:
     # 65 column threads x 3 row lanes
     ("wide register-window backward", dict(WINDOW_BWD_WIDE_MIN_ROWS=1, BWD_TARGET_CTAS=3), (4, 1, 520)),
-    # the stream backward's interleaved row walk (compiled into coff 1, and into coff 2 but at 256 threads)
+    # the stream backward's interleaved row walk (compiled into coff 1, and into coff 2 but STREAM_BWD_WALK_SPILLS)
     ("interleaved stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=3), (32, 1, 64)),
     # (2 column tiles: 6 SMs' worth is 3 row CTAs)
     ("interleaved coff-2 stream backward rows", dict(STREAM_BWD_INTERLEAVE="1", STREAM_GRID_SMS=6), (64, 2, 128)),
