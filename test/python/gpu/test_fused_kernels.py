@@ -1031,16 +1031,20 @@ def _default_stream_backward(ratio, coff, head_dim, rows):
 
 
 @pytest.mark.L1
-def test_long_coff2_stream_backward_default_plan(monkeypatch):
-    """A long two-segment r128 c2 d256 pack on the default planner: its stream backward walks
-    interleaved on the narrower long-launch grid (session 57) and gives the contiguous plan's
-    gradients."""
+@pytest.mark.parametrize("long_grid_sms", [0, 112])
+def test_long_coff2_stream_backward_plan(monkeypatch, long_grid_sms):
+    """A long two-segment r128 c2 d256 pack: its stream backward walks interleaved, on the full
+    grid by default (session 60) or on the narrower long-launch grid that
+    CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS=112 asks for (session 57's default, the H100's best),
+    and gives the contiguous plan's gradients either way."""
+    monkeypatch.setattr(schedule, "STREAM_BWD_LONG_GRID_SMS", long_grid_sms)
     ratio, coff, head_dim = 128, 2, 256
     lengths = [150 * ratio + 77, 150 * ratio - 77]
     rows = int(offsets(lengths, ratio)[1][-1])
     entry, rpt = _default_stream_backward(ratio, coff, head_dim, rows)
-    assert schedule.stream_bwd_row_ctas(rows, entry.sched, entry.per_sm) < \
-        schedule.stream_row_ctas(entry.sched, "bwd", entry.per_sm)
+    full = schedule.stream_row_ctas(entry.sched, "bwd", entry.per_sm)
+    narrowed = schedule.stream_bwd_row_ctas(rows, entry.sched, entry.per_sm) < full
+    assert narrowed == bool(long_grid_sms)
     assert schedule.bwd_interleaved(rows, 2, ratio, coff, head_dim, entry.sched, rpt)
     _walked_backward_matches_the_contiguous_plan(monkeypatch, ratio, coff, head_dim, lengths)
 

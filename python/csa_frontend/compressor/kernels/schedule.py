@@ -144,8 +144,15 @@ STREAM_BWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_GRID_SMS", "0"
 #: c1 d128, 512x300 r64 c1 d128, 4x8192 r16 c2 d256 (55.0-58.9 -> 55.4-56.3). The rows-per-CTA
 #: condition reads the launch's row count, so grad_ape's order is still the shape's. Suspected
 #: cause (NOTES rows 170-171): the previous call's dirty L2 lines make the full grid's slowest SM
-#: a straggler. 0: never. Tuning knob, CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS.
-STREAM_BWD_LONG_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS", "112"))
+#: a straggler. Off by default since session 60 (NOTES row 176): on the H200 the 112-SM grid
+#: loses on every launch it takes (bwd us, two rounds, the walk on in both, 128 -> 112 SMs):
+#: 1x65536 r128 c2 d512 154.4-154.6 -> 169.2-170.1, 1x131072 r128 c2 d512 300.3-300.7 ->
+#: 329.3-330.7, 1x65536 r128 c2 d256 80.9-81.6 -> 89.0-89.1, 1x131072 r128 c1 d128 42.6-42.7 ->
+#: 44.6-45.0, 1x65536 r64 c1 d512 75.8 -> 79.3-79.4, 4x8192 r16 c2 d256 41.7 -> 45.8-46.1.
+#: A device-dependent grid would make grad_ape's bits differ between the H100 and the H200, so
+#: the H200, the product's target, sets it for both. 0: never; 112 for H100 runs. Tuning knob,
+#: CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS.
+STREAM_BWD_LONG_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_LONG_GRID_SMS", "0"))
 STREAM_BWD_LONG_GRID_MIN_ROWS = 16
 STREAM_RESIDENT = _per_direction({"fwd": 1, "bwd": 1}, "CSA_FRONTEND_STREAM_RESIDENT")
 #: The stream forward's wave is counted on the device's own SMs instead (0), or on this many:
@@ -977,7 +984,10 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: 408.5-408.8 -> 401.0-402.2, 1x65536 r256 c2 d512 236.4-240.7 -> 217.3-218.6, 1x131072 r256 c2
 #: d256 275.2-275.8 -> 247.2, 1x65536 r128 c2 d256 114.4-114.5 -> 110.1-110.5, 2x16384 r100 c2 d128
 #: 33.3-33.5 -> 32.3-32.5; with the long grid (STREAM_BWD_LONG_GRID_SMS) the walk gains more (r128
-#: c2 d512 200.4-200.7 -> 193.9-194.6).
+#: c2 d512 200.4-200.7 -> 193.9-194.6). On the H200 (session 60, NOTES row 176, 128 SMs, two
+#: rounds): 1x65536 r128 c2 d512 155.5-156.1 -> 154.4-154.6, 1x131072 r128 c2 d512 300.3-300.6 ->
+#: 300.3-300.7, 1x65536 r128 c2 d256 83.9-88.0 -> 80.9-81.6, but 1x65536 r256 c2 d512 192.3-193.1
+#: -> 197.7-198.6.
 #: Except into the one coff-2 kernel class that spills with it (``STREAM_BWD_WALK_SPILLS``: ratio 16
 #: at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and d1024
 #: spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and 1x32768 r16
