@@ -126,8 +126,9 @@ STREAM_GRID_SMS = 128
 #: off and at the same clocks, but not under ncu (plain launches: 191.8 / 193.3 us, same bytes)
 #: unless ncu leaves the previous call's dirty gradients in the L2 (session 56: 211.2 / 202.7).
 #: But 1x65536 r256 c2 d512 238.6-240.6 -> 254.4 (4 -> 3 row CTAs), 1x8192 r128 c2 d128 12.2 ->
-#: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and the H200 is not measured: every launch
-#: keeps STREAM_GRID_SMS, and long ones take STREAM_BWD_LONG_GRID_SMS by rule. Tuning knob (A/B),
+#: 12.9-13.0, 4x8192 r16 c2 d256 55.1-55.2 -> 56.2, and on the H200 112 SMs lost 4-10% on long
+#: launches (session 60, STREAM_BWD_LONG_GRID_SMS): every launch keeps STREAM_GRID_SMS, and long
+#: ones take STREAM_BWD_LONG_GRID_SMS where it is set. Tuning knob (A/B),
 #: CSA_FRONTEND_STREAM_BWD_GRID_SMS: set, it lays every stream backward over that many SMs.
 STREAM_BWD_GRID_SMS = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_GRID_SMS", "0"))
 #: Long stream backward launches (CTAs of at least STREAM_BWD_LONG_GRID_MIN_ROWS rows on the
@@ -1002,8 +1003,7 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: -> 221.4, 220.1; r20 c2 d512 (160) 222.1, 222.5 -> 222.1, 222.5. Session 59, 256 threads: 1x65536
 #: r15 c2 d256 109.5, 109.3 -> 106.9, 107.3; 1x32768 r15 c2 d256 55.5, 55.7 -> 54.3, 54.2; 1x65536
 #: r29 c2 d512 218.3, 219.3 -> 212.8, 212.1; r30 c2 d128 57.6, 57.5 -> 56.9, 56.7; r32 c2 d64 31.0,
-#: 31.0 -> 29.9, 29.9. The H200 is not measured with the coff-2 walk since session 37 (no clusters
-#: then, no gain: 155.6 -> 155.0).
+#: 31.0 -> 29.9, 29.9.
 STREAM_BWD_INTERLEAVE = os.environ.get("CSA_FRONTEND_STREAM_BWD_INTERLEAVE", "auto")
 #: the coffs "auto" compiles the walk into (coff 2 but in STREAM_BWD_WALK_SPILLS);
 #: tuning knob, CSA_FRONTEND_STREAM_BWD_WALK_COFFS=1 builds the kernels of before session 57
