@@ -1,0 +1,82 @@
+"""test/python/gpu/device_checks.sh on CPU: its suite step reaches every gpu-marked test file,
+bad steps are refused before anything runs, and a pytest step in which every test skipped is not
+reported as a pass (the device session's one command must not turn a missing GPU into green)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "test" / "python" / "gpu" / "device_checks.sh"
+# a module-level pytestmark or a decorator naming the gpu marker
+GPU_MARK = re.compile(r"^\s*(pytestmark\s*=.*|@)pytest\.mark\.gpu\b", re.M)
+
+
+def run(*steps, **env):
+    full = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=600)
+
+
+def dry_run(*steps, **env):
+    result = run(*steps, DEVICE_CHECKS_DRY_RUN="1", **env)
+    assert result.returncode == 0, result.stderr
+    return dict(line.split(": ", 1) for line in result.stdout.splitlines())
+
+
+@pytest.mark.L0
+def test_suite_reaches_every_gpu_marked_file():
+    marked = {p.relative_to(ROOT) for p in (ROOT / "test" / "python").rglob("test_*.py")
+              if GPU_MARK.search(p.read_text())}
+    assert marked, "no gpu-marked test file found: the scan is wrong"
+    words = dry_run("suite")["suite"].split()
+    assert "'(L0" in words and "gpu'" in words
+    covered = [Path(w) for w in words if w.startswith("test/python")]
+    missing = [str(f) for f in marked if not any(f == c or c in f.parents for c in covered)]
+    assert not missing, f"gpu tests the suite step never runs: {missing}"
+
+
+@pytest.mark.L0
+def test_fuzz_and_table_commands():
+    commands = dry_run("fuzz:18898-19097", "table", DEVICE_CHECKS_LOG_DIR="/tmp/dc_probe")
+    assert commands["fuzz:18898-19097"].startswith("CSA_FRONTEND_FUZZ_SEEDS=18898-19097 ")
+    assert "test/python/gpu/test_fuzz.py" in commands["fuzz:18898-19097"]
+    assert "--shapes all --providers fused,eager,copy --out '/tmp/dc_probe/table'" in commands["table"]
+    assert "targets.py '/tmp/dc_probe/table/bench_csa_compressor.json'" in commands["table"]
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("steps, message", [
+    ((), "no step given"),
+    (("suite", "bogus"), "unknown step 'bogus'"),
+    (("fuzz:9-3",), "step 'fuzz:9-3': expected fuzz:A-B"),
+    (("fuzz:1",), "step 'fuzz:1': expected fuzz:A-B"),
+])
+def test_bad_steps_refused_before_anything_runs(tmp_path, steps, message):
+    logs = tmp_path / "logs"
+    result = run(*steps, DEVICE_CHECKS_LOG_DIR=str(logs))
+    assert result.returncode == 2 and message in result.stderr
+    assert not logs.exists()
+
+
+@pytest.mark.L0
+def test_bad_worker_count_refused(tmp_path):
+    result = run("suite", DEVICE_CHECKS_WORKERS="many", DEVICE_CHECKS_LOG_DIR=str(tmp_path / "logs"))
+    assert result.returncode == 2 and "DEVICE_CHECKS_WORKERS" in result.stderr
+
+
+@pytest.mark.L0
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU verdict")
+def test_all_skipped_is_not_a_pass(tmp_path):
+    pythonpath = os.pathsep.join([str(ROOT / "python"), str(ROOT / "test" / "python"),
+                                  os.environ.get("PYTHONPATH", "")])
+    result = run("fuzz:1-1", DEVICE_CHECKS_LOG_DIR=str(tmp_path), DEVICE_CHECKS_WORKERS="0",
+                 PYTHONPATH=pythonpath)
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = next(l for l in result.stdout.splitlines() if l.startswith("fuzz:1-1"))
+    assert re.search(r"NOTHING RAN .*1 skipped", line), line
+    assert (tmp_path / "fuzz_1-1.log").exists()
