@@ -9,7 +9,8 @@
 # Steps:
 #   suite          every gpu-marked test, L0 and L1 (over DEVICE_CHECKS_WORKERS pytest-xdist workers
 #                  where xdist is installed and the count is not 0, else in one process)
-#   sanitize       test/python/gpu/sanitize.sh (its own SANITIZE_* variables apply)
+#   sanitize       test/python/gpu/sanitize.sh (its own SANITIZE_* variables apply; its logs by
+#                  default under this script's, in sanitize/)
 #   fuzz:A-B       test_fuzz.py over seeds A..B (CSA_FRONTEND_FUZZ_SEEDS)
 #   table          bench_csa_compressor.py --shapes all with the eager and copy providers, then
 #                  targets.py on its JSON (the SPEC section 6 verdicts)
@@ -55,7 +56,7 @@ command_of() {
   [ "$workers" -gt 0 ] && $xdist && pytest="$pytest -n $workers"
   case "$1" in
     suite) echo "$pytest -m '(L0 or L1) and gpu' $(echo $gpu_tests)" ;;
-    sanitize) echo "bash test/python/gpu/sanitize.sh" ;;
+    sanitize) echo "SANITIZE_LOG_DIR='${SANITIZE_LOG_DIR:-$logs/sanitize}' bash test/python/gpu/sanitize.sh" ;;
     fuzz:*) echo "CSA_FRONTEND_FUZZ_SEEDS=${1#fuzz:} $pytest -m 'L1 and gpu' test/python/gpu/test_fuzz.py" ;;
     table) echo "cd benchmark/csa && $python bench_csa_compressor.py --shapes all --providers fused,eager,copy" \
                 "--out '$logs/table' && $python targets.py '$logs/table/bench_csa_compressor.json'" ;;
@@ -76,7 +77,7 @@ if [ "$dry" = 1 ]; then
   exit 0
 fi
 
-mkdir -p "$logs"
+mkdir -p "$logs" && logs="$(cd "$logs" && pwd)"  # absolute: the steps run from the root
 cd "$root" || exit 2
 device="$(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader 2>/dev/null | head -n 1)"
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo 'no git')"

@@ -17,7 +17,8 @@ GPU_MARK = re.compile(r"^\s*(pytestmark\s*=.*|@)pytest\.mark\.gpu\b", re.M)
 
 
 def run(*steps, **env):
-    full = {**os.environ, "PYTHON": sys.executable, **env}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("DEVICE_CHECKS_", "SANITIZE_"))}
+    full = {**inherited, "PYTHON": sys.executable, **env}
     return subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=full, capture_output=True, text=True,
                           timeout=600)
 
@@ -41,8 +42,9 @@ def test_suite_reaches_every_gpu_marked_file():
 
 
 @pytest.mark.L0
-def test_fuzz_and_table_commands():
-    commands = dry_run("fuzz:18898-19097", "table", DEVICE_CHECKS_LOG_DIR="/tmp/dc_probe")
+def test_step_commands():
+    commands = dry_run("fuzz:18898-19097", "table", "sanitize", DEVICE_CHECKS_LOG_DIR="/tmp/dc_probe")
+    assert commands["sanitize"] == "SANITIZE_LOG_DIR='/tmp/dc_probe/sanitize' bash test/python/gpu/sanitize.sh"
     assert commands["fuzz:18898-19097"].startswith("CSA_FRONTEND_FUZZ_SEEDS=18898-19097 ")
     assert "test/python/gpu/test_fuzz.py" in commands["fuzz:18898-19097"]
     assert "--shapes all --providers fused,eager,copy --out '/tmp/dc_probe/table'" in commands["table"]
