@@ -7,18 +7,19 @@
 #   bash test/python/gpu/device_checks.sh suite sanitize fuzz:18898-19097 table
 #
 # Steps:
-#   suite          every gpu-marked test, L0 and L1 (over DEVICE_CHECKS_WORKERS pytest-xdist workers
-#                  where xdist is installed and the count is not 0, else in one process)
+#   suite          every gpu-marked test, L0 and L1 (test/python/run_suite.py gpu)
 #   sanitize       test/python/gpu/sanitize.sh (its own SANITIZE_* variables apply; its logs by
 #                  default under this script's, in sanitize/)
 #   fuzz:A-B       test_fuzz.py over seeds A..B (CSA_FRONTEND_FUZZ_SEEDS)
 #   table          bench_csa_compressor.py --shapes all with the eager and copy providers, then
 #                  targets.py on its JSON (the SPEC section 6 verdicts)
+# suite and fuzz run over DEVICE_CHECKS_WORKERS pytest-xdist workers where xdist is installed and
+# the count is not 0, else in one process.
 # Environment: DEVICE_CHECKS_LOG_DIR (default $OUT/device_checks or /tmp/csa_device_checks),
 # DEVICE_CHECKS_WORKERS (default 15), PYTHON (default python3), DEVICE_CHECKS_DRY_RUN=1 (print each
 # step's command and run nothing; no GPU needed). Every step is checked before the first one runs,
 # so a typo costs no device time. Prints one line per step (verdict, seconds, the log's summary);
-# exits 1 if any step failed or a pytest step passed nothing (all skipped), 2 on a bad argument.
+# exits 1 if any step failed or a pytest step saw no CUDA device (NOTHING RAN), 2 on a bad argument.
 set -u -o pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -27,9 +28,6 @@ workers="${DEVICE_CHECKS_WORKERS:-15}"
 logs="${DEVICE_CHECKS_LOG_DIR:-${OUT:+$OUT/device_checks}}"
 logs="${logs:-/tmp/csa_device_checks}"
 dry="${DEVICE_CHECKS_DRY_RUN:-0}"
-# Every file holding gpu-marked tests must lie under one of these (test_device_checks.py checks).
-gpu_tests="test/python/gpu test/python/fe_api/test_compressor_gpu.py
-  test/python/fe_api/test_reliability_gpu.py test/python/fe_api/test_integration_gpu.py"
 
 usage() { echo "device_checks.sh: $1; steps: suite, sanitize, fuzz:A-B, table" >&2; exit 2; }
 
@@ -50,14 +48,16 @@ done
 xdist=false
 "$python" -c "import xdist" 2>/dev/null && xdist=true
 
-# The command of one step, as words for bash -c (run from the repository root).
+# The command of one step, as words for bash -c (run from the repository root). The suite is
+# CTest's GPU suite (run_suite.py: the gpu marker over all of test/python, exit 77 without CUDA).
 command_of() {
-  local pytest="$python -m pytest -p no:cacheprovider -q"
-  [ "$workers" -gt 0 ] && $xdist && pytest="$pytest -n $workers"
+  local parallel=""
+  [ "$workers" -gt 0 ] && $xdist && parallel=" -n $workers"
   case "$1" in
-    suite) echo "$pytest -m '(L0 or L1) and gpu' $(echo $gpu_tests)" ;;
+    suite) echo "$python test/python/run_suite.py gpu -q$parallel" ;;
     sanitize) echo "SANITIZE_LOG_DIR='${SANITIZE_LOG_DIR:-$logs/sanitize}' bash test/python/gpu/sanitize.sh" ;;
-    fuzz:*) echo "CSA_FRONTEND_FUZZ_SEEDS=${1#fuzz:} $pytest -m 'L1 and gpu' test/python/gpu/test_fuzz.py" ;;
+    fuzz:*) echo "CSA_FRONTEND_FUZZ_SEEDS=${1#fuzz:} $python -m pytest -p no:cacheprovider -q$parallel" \
+                 "-m 'L1 and gpu' test/python/gpu/test_fuzz.py" ;;
     table) echo "cd benchmark/csa && $python bench_csa_compressor.py --shapes all --providers fused,eager,copy" \
                 "--out '$logs/table' && $python targets.py '$logs/table/bench_csa_compressor.json'" ;;
   esac
@@ -66,7 +66,7 @@ command_of() {
 # The lines of a finished step's log that say how it went.
 summary_of() {
   case "$1" in
-    suite|fuzz:*) grep -E '(passed|failed|skipped|error|no tests ran)' "$2" | tail -n 1 ;;
+    suite|fuzz:*) grep -E '(passed|failed|skipped|error|no tests ran|no CUDA device)' "$2" | tail -n 1 ;;
     sanitize) grep -E '^(memcheck|racecheck|initcheck) ' "$2" | tr -s ' ' | paste -sd ';' - ;;
     table) grep -iE 'meet|targets' "$2" | tail -n 1 ;;
   esac
@@ -90,10 +90,13 @@ for step in "$@"; do
   rc=$?
   seconds=$(( $(date +%s) - start ))
   summary="$(summary_of "$step" "$log")"
-  if [ $rc -ne 0 ]; then
+  # run_suite.py's 77, or every test skipped: no CUDA device was seen, which is not a pass
+  if [ "$step" = suite ] && [ $rc -eq 77 ]; then
+    verdict="NOTHING RAN"
+  elif [ $rc -ne 0 ]; then
     verdict="FAILED (exit $rc)"
   elif [[ "$step" =~ ^(suite|fuzz:) ]] && [[ ! "$summary" =~ passed ]]; then
-    verdict="NOTHING RAN"  # every test skipped (no CUDA device seen): not a pass
+    verdict="NOTHING RAN"
   else
     verdict=ok
   fi
