@@ -502,7 +502,9 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
 #: 1x131072 r128 c2 d512 556.4, 555.5 -> 413.4, 414.0; 1x65536 r128 c2 d256 123.1, 122.4 ->
 #: 113.1, 113.2; 1x65536 r64 c2 d512 217.8, 218.1 -> 212.9, 213.1; r128 c1 d128, r64 c1 d512,
 #: r16 c2 d256, 1x8192 r128 c2 d128 and r200 c1 d192 within 1% (session 54, five runs each:
-#: r16 c2 d256 medians 55.7 -> 56.4; session 62 again 55.6 -> 56.8, and r128 c2 d512 270 -> 213).
+#: r16 c2 d256 medians 55.7 -> 56.4; session 62 again 55.6 -> 56.8, and r128 c2 d512 270 -> 213;
+#: session 63 55.8 -> 56.1, while the other tiles of 32 column threads gained or tied: r64 c1
+#: d512 110.3 -> 109.2, r32 c2 d256 109.9 -> 108.9, r16 c2 d512 113.2 both; NOTES row 178).
 #: Clusters of 4 lost on all three r128 c2 rows (1x65536 d512 315.7). The H200 (the same GH100
 #: die and GPCs, faster memory) read no extra DRAM bytes there but counted the same 1.44x lookup
 #: misses (NOTES row 164); not yet measured with clusters. Clusters need sm_90: other arches
