@@ -507,8 +507,11 @@ def combines_once_per_cta(sched: "Schedule") -> bool:
 #: d512 110.3 -> 109.2, r32 c2 d256 109.9 -> 108.9, r16 c2 d512 113.2 both; NOTES row 178).
 #: Clusters of 4 lost on all three r128 c2 rows (1x65536 d512 315.7). The H200 (the same GH100
 #: die and GPCs, faster memory) read no extra DRAM bytes there but counted the same 1.44x lookup
-#: misses (NOTES row 164); not yet measured with clusters. Clusters need sm_90: other arches
-#: launch none; 1 launches none. Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
+#: misses (NOTES row 164); with clusters (session 64, two alternating rounds, 1 -> 2) it gains
+#: under 1%: 1x65536 r128 c2 d512 155.0, 155.0 -> 154.3, 154.6; 1x131072 301.2, 301.1 -> 300.0,
+#: 300.6; r128 c2 d256 81.4, 81.4 -> 80.9, 81.1; r64 c2 d512 145.7, 145.7 -> 146.0, 145.9; r16
+#: c2 d256 41.6, 41.6 -> 41.6, 41.7 (NOTES row 179). Clusters need sm_90: other arches launch
+#: none; 1 launches none. Tuning knob, CSA_FRONTEND_STREAM_BWD_CLUSTER (1, 2, 4 or 8).
 STREAM_BWD_COLUMN_CLUSTER = int(os.environ.get("CSA_FRONTEND_STREAM_BWD_CLUSTER", "2"))
 PORTABLE_CLUSTER_SIZES = (1, 2, 4, 8)
 
@@ -990,7 +993,11 @@ WINDOW_BWD_INTERLEAVE_SEGMENT_STEPS = 4
 #: c2 d512 200.4-200.7 -> 193.9-194.6). On the H200 (session 60, NOTES row 176, 128 SMs, two
 #: rounds): 1x65536 r128 c2 d512 155.5-156.1 -> 154.4-154.6, 1x131072 r128 c2 d512 300.3-300.6 ->
 #: 300.3-300.7, 1x65536 r128 c2 d256 83.9-88.0 -> 80.9-81.6, but 1x65536 r256 c2 d512 192.3-193.1
-#: -> 197.7-198.6.
+#: -> 197.7-198.6; session 64 (NOTES row 179, same card) again: r256 c2 d512 192.1-193.3 ->
+#: 197.8-198.6, 1x131072 r256 c2 d256 194.2-194.6 -> 194.1-195.0, 1x65536 r100 c2 d128 53.1 ->
+#: 52.0-52.1, 48x2048 r32 c2 d256 (not taken) 114.3 -> 114.2-114.7. The walk sets grad_ape's
+#: summation order, so one rule serves both cards: the H100's 8% gain on r256 outweighs this 3%
+#: loss.
 #: Except into the one coff-2 kernel class that spills with it (``STREAM_BWD_WALK_SPILLS``: ratio 16
 #: at vec 4 in CTAs of 256 threads, two per SM at the 128-register cap): r16 c2 d128, d256 and d1024
 #: spill 48 bytes with it (ptxas, sass_budget.py), r16 c2 d512 needs 134 registers, and 1x32768 r16
