@@ -892,6 +892,48 @@ def test_guessed_first_rows_give_the_unguessed_bits(online_forward_off, monkeypa
     assert_same_bits(with_and_without(monkeypatch, module, knob, run))
 
 
+def padded_forward(ratio, coff, head_dim, real_rows, pad_rows, seed):
+    """(out, fp32 reference, fp64 oracle, real rows) of a ragged pack of ``real_rows`` rows whose
+    first segment starts at token 0 (its row 0 pools the padding rows' window too), launched
+    with ``pad_rows`` padding rows."""
+    half = real_rows // 2
+    cu, comp = offsets([half * ratio + ratio - 1, 0, (real_rows - half) * ratio + 1], ratio)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + pad_rows
+    out = run_forward(kv, score, ape, cu, comp, ratio, coff, head_dim, total)
+    ref = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total)
+    oracle = reference_forward(kv, score, ape, cu, comp, ratio, coff, total_comp=total, mode="fp64")
+    return out, ref, oracle, int(comp[-1])
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("walk", [False, True])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (3, 1, 65), (16, 2, 256), (12, 1, 64),
+                                               (128, 2, 512), (128, 1, 128), (33, 2, 130), (200, 1, 64)])
+def test_padding_rows_carry_the_reference_bits(monkeypatch, walk, ratio, coff, head_dim):
+    """Every padding row pools the same window (segment 0's first block), so a column the fast
+    arithmetic rounds one bf16 step off would be off on all of them and multiply past the
+    contract's count (GPU fuzz seed 20163). Each forward family computes padding rows in the
+    reference's steps (``EXACT_PADDING_ROWS``): bit-identical to the reference, on launches past
+    the serial forward's reach with as many padding rows as real ones, on the default grid and
+    with stream CTAs that walk many rows (contiguous and interleaved runs)."""
+    fwd = choose_schedule(ratio, coff, head_dim, "fwd")
+    real_rows = -(-(schedule.serial_forward_outputs(fwd.family) + 1) // (2 * head_dim)) + 8
+    if walk:
+        monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", 3)
+    out, ref, oracle, n_real = padded_forward(ratio, coff, head_dim, real_rows, real_rows, seed=ratio + head_dim)
+    assert not serial_launch(out.shape[0], ratio, coff, head_dim)
+    assert not torch.isnan(out.float()).any(), "forward left elements unwritten"
+    assert torch.equal(out[n_real:], ref[n_real:]), \
+        f"{(out[n_real:] != ref[n_real:]).sum().item()} padding-row elements differ from the reference"
+    if fwd.family == "window":
+        assert_within_one_step(out, ref)
+        assert_oracle_parity("out", out, ref, oracle)
+    else:
+        assert_contract("out", out, ref, oracle)
+
+
 @pytest.mark.L1
 @pytest.mark.parametrize("pack", ["whole", "ragged"])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 128), (16, 2, 256)])
@@ -1125,6 +1167,20 @@ def test_bulk_forward_only_padding_rows_in_a_cta(bulk_forward, monkeypatch):
     monkeypatch.setattr(bulk_forward, "WINDOW_FWD_BULK_CTAS", 8)
     check_config(4, 2, 512, [17, 0, 9], pad_rows=40, seed=3)
     assert ran_bulk_forward(4, 2, 512)
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(2, 2, 512), (4, 1, 128)])
+def test_bulk_forward_padding_rows_carry_the_reference_bits(bulk_forward, monkeypatch, ratio, coff, head_dim):
+    """``test_padding_rows_carry_the_reference_bits`` for the bulk-copy forward, three CTAs
+    walking every stage."""
+    monkeypatch.setattr(bulk_forward, "WINDOW_FWD_BULK_CTAS", 3)
+    out, ref, oracle, n_real = padded_forward(ratio, coff, head_dim, 40, 40, seed=ratio + coff)
+    assert ran_bulk_forward(ratio, coff, head_dim)
+    assert torch.equal(out[n_real:], ref[n_real:]), \
+        f"{(out[n_real:] != ref[n_real:]).sum().item()} padding-row elements differ from the reference"
+    assert_within_one_step(out, ref)
+    assert_oracle_parity("out", out, ref, oracle)
 
 
 @pytest.mark.L1

@@ -774,6 +774,39 @@ def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constex
     return den
 
 
+#: Positions per iteration of ``padding_row_exact``'s loops: their loads go out together.
+PADDING_UNROLL = 8
+
+
+@cute.jit
+def padding_row_exact(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, col: Int32, ratio: cutlass.Constexpr,
+                      coff: cutlass.Constexpr, head_dim: cutlass.Constexpr) -> Float32:
+    """Output column ``col`` of every padding row in the reference's steps, read from global
+    memory: segment 0's first block (tokens and ape rows ``0..ratio-1``; coff 2's previous half
+    is invalid), its max, libdevice ``expf`` of ``s - max``, the denominator left to right,
+    IEEE division, pinned products and their sum left to right. The reference adds coff 2's
+    invalid positions first as exact zeros, so there both sums start from +0. For the stream
+    forwards, whose own arithmetic re-associates (``EXACT_PADDING_ROWS``); a few threads per
+    launch take it, once each."""
+    colt = col + head_dim if cutlass.const_expr(coff == 2) else col
+    unroll = min(PADDING_UNROLL, ratio)
+    m = -Float32.inf
+    for k in cutlass.range(ratio, unroll=unroll):
+        m = cute.arch.fmax(m, mS[k, colt].to(Float32) + mApe[k, colt])
+    den = Float32(0.0)
+    for k in cutlass.range(ratio, unroll=unroll):
+        den = den + cute.math.exp(mS[k, colt].to(Float32) + mApe[k, colt] - m)
+    acc = Float32(0.0)
+    start = 0
+    if cutlass.const_expr(coff == 1):
+        acc = mul_rn(mKV[0, colt].to(Float32), cute.math.exp(mS[0, colt].to(Float32) + mApe[0, colt] - m) / den)
+        start = 1
+    for k in cutlass.range(start, ratio, unroll=unroll):
+        p = cute.math.exp(mS[k, colt].to(Float32) + mApe[k, colt] - m) / den
+        acc = acc + mul_rn(mKV[k, colt].to(Float32), p)
+    return acc
+
+
 @cute.jit
 def weights_and_products(rS: cute.Tensor, rX: cute.Tensor, v: cutlass.Constexpr, n: cutlass.Constexpr,
                          den: Float32, g: Float32) -> Float32:

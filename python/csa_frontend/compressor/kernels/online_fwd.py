@@ -25,8 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import RowsForward, block_start, enter_grid, kv_and_score, row_start
-from .schedule import STREAM_FAST_EXP
+from .common import RowsForward, block_start, enter_grid, kv_and_score, padding_row_exact, row_start
+from .schedule import EXACT_PADDING_ROWS, STREAM_FAST_EXP
 from .stream_fwd import relative_sums, rescale_factor
 
 
@@ -46,25 +46,40 @@ class OnlineForward(RowsForward):
         if row < mOut.shape[0]:  # warp-uniform when warp_rows: the lookup may vote
             t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
             if cv < n_vec:
-                own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
-                rM = cute.make_rmem_tensor((vec,), Float32)
-                rD = cute.make_rmem_tensor((vec,), Float32)
-                rA = cute.make_rmem_tensor((vec,), Float32)
-                rM.fill(-Float32.inf)
-                rD.fill(0.0)
-                rA.fill(0.0)
-                if cutlass.const_expr(coff == 2):
-                    # previous block, first-half columns (invalid for a segment's first block)
-                    if has_prev:
-                        online_run(mKV, mS, mApe, rM, rD, rA, own0 - ratio, cv, ratio, self.sched.chunk, vec, True)
-                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv + n_vec, ratio, self.sched.chunk, vec, False)
-                else:
-                    online_run(mKV, mS, mApe, rM, rD, rA, own0, cv, ratio, self.sched.chunk, vec, True)
                 rO = cute.make_rmem_tensor((vec,), Float32)
-                for v in cutlass.range_constexpr(vec):
-                    rO[v] = rA[v] / rD[v]
+                if cutlass.const_expr(EXACT_PADDING_ROWS):
+                    if row >= mCuC[n_seg]:
+                        # a padding row: the reference's steps (every padding row pools the
+                        # same window, so one column off would be off on all of them)
+                        for v in cutlass.range_constexpr(vec):
+                            rO[v] = padding_row_exact(mKV, mS, mApe, cv * vec + v, ratio, coff, self.head_dim)
+                    else:
+                        self.pool_online(mKV, mS, mApe, rO, t0, blk, cv)
+                else:
+                    self.pool_online(mKV, mS, mApe, rO, t0, blk, cv)
                 gO = cute.zipped_divide(mOut, (1, vec))
                 gO[(0, None), (row, cv)].store(rO.load().to(BFloat16))
+
+    @cute.jit
+    def pool_online(self, mKV, mS, mApe, rO, t0, blk, cv):
+        """``rO`` <- block ``blk`` (first token ``t0``) of column slice ``cv``, walked online."""
+        vec, n_vec, ratio, coff = self.vec, self.n_vec, self.ratio, self.coff
+        own0, has_prev = block_start(t0, blk, ratio, mKV.shape[0])
+        rM = cute.make_rmem_tensor((vec,), Float32)
+        rD = cute.make_rmem_tensor((vec,), Float32)
+        rA = cute.make_rmem_tensor((vec,), Float32)
+        rM.fill(-Float32.inf)
+        rD.fill(0.0)
+        rA.fill(0.0)
+        if cutlass.const_expr(coff == 2):
+            # previous block, first-half columns (invalid for a segment's first block)
+            if has_prev:
+                online_run(mKV, mS, mApe, rM, rD, rA, own0 - ratio, cv, ratio, self.sched.chunk, vec, True)
+            online_run(mKV, mS, mApe, rM, rD, rA, own0, cv + n_vec, ratio, self.sched.chunk, vec, False)
+        else:
+            online_run(mKV, mS, mApe, rM, rD, rA, own0, cv, ratio, self.sched.chunk, vec, True)
+        for v in cutlass.range_constexpr(vec):
+            rO[v] = rA[v] / rD[v]
 
 
 @cute.jit

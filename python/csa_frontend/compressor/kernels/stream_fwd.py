@@ -26,12 +26,12 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_stage, enter_grid,
-                     exp2_half_squared, fma_rn, guessed_block_start, row_span, safe_max, stage_buffers,
-                     stage_slots)
+                     exp2_half_squared, fma_rn, guessed_block_start, padding_row_exact, row_span, safe_max,
+                     stage_buffers, stage_slots)
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
-from .schedule import (FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED, chunks_per_warp,
-                       stream_fwd_may_interleave, warp_groups)
+from .schedule import (EXACT_PADDING_ROWS, FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED,
+                       chunks_per_warp, stream_fwd_may_interleave, warp_groups)
 
 
 @cute.jit
@@ -248,3 +248,37 @@ class StreamForward(PoolingKernel):
                     if j < tile_cols and by * ct + j // vec < n_vec:
                         mOut[row, by * tile_cols + j] = merge_groups(sM, sD, sA, par, j, groups, fast).to(BFloat16)
             row, own0, has_prev = nrow, nown0, nhas_prev
+        if cutlass.const_expr(EXACT_PADDING_ROWS):
+            self.exact_padding_rows(mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by)
+
+    @cute.jit
+    def exact_padding_rows(self, mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by):
+        """After the row loop: this CTA's padding rows (``row >= cu_seqlens_comp[-1]``) again, in
+        the reference's steps (``padding_row_exact``, one thread per column, once per CTA). Every
+        padding row pools the same window, so a column the re-associated sums round one bf16
+        step off would be off on every padding row (``EXACT_PADDING_ROWS``). The CTA's rows are
+        recomputed here rather than carried through the loop."""
+        ct, threads, vec, n_vec = self.sched.col_threads, self.sched.threads, self.vec, self.n_vec
+        tile_cols = ct * vec
+        first = bx * rows_per_cta
+        step = Int32(1)
+        if cutlass.const_expr(stream_fwd_may_interleave(self.coff)):
+            if interleaved != 0:
+                first = bx
+                step = cute.arch.grid_dim()[0]
+        n_rows = mOut.shape[0]
+        n_real = mCuC[mCuC.shape[0] - 1]
+        # rows first + i * step, i < rows_per_cta, inside [n_real, n_rows): i in [lo, hi]
+        lo = Int32(0)
+        if first < n_real:
+            lo = (n_real - first + step - 1) // step
+        hi = cutlass.min(rows_per_cta - 1, (n_rows - 1 - first) // step)
+        if lo <= hi:
+            cute.arch.sync_threads()  # the loop's stores of these rows, by other threads, land first
+            for q in cutlass.range_constexpr(-(-tile_cols // threads)):
+                j = tidx + q * threads
+                if j < tile_cols and by * ct + j // vec < n_vec:
+                    col = by * tile_cols + j
+                    val = padding_row_exact(mKV, mS, mApe, col, self.ratio, self.coff, self.head_dim).to(BFloat16)
+                    for i in cutlass.range(lo, hi + 1, unroll=1):
+                        mOut[first + i * step, col] = val

@@ -25,7 +25,7 @@ from cutlass import BFloat16, Float32, Int32
 from .common import (LOG2E, RowsForward, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
                      load_window, mul_rn, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
-from .schedule import WINDOW_FWD_CHECKED
+from .schedule import EXACT_PADDING_ROWS, WINDOW_FWD_CHECKED
 
 
 class WindowForward(RowsForward):
@@ -46,21 +46,35 @@ class WindowForward(RowsForward):
                 own0, has_prev = block_start(t0, blk, self.ratio, mKV.shape[0])
                 load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
                 gO = cute.zipped_divide(mOut, (1, vec))
-                pool_and_store(rS, rX, gO, row, cv, vec, width, self.ratio, self.coff, has_prev)
+                pool_and_store(rS, rX, gO, row, cv, vec, width, self.ratio, self.coff, has_prev,
+                               padding_row(mCuC, n_seg, row))
+
+
+@cute.jit
+def padding_row(mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """Whether ``row`` is a padding row (``EXACT_PADDING_ROWS``; else None: none is told apart)."""
+    pad = None
+    if cutlass.const_expr(EXACT_PADDING_ROWS):
+        pad = row >= mCuC[n_seg]
+    return pad
 
 
 @cute.jit
 def pool_and_store(rS: cute.Tensor, rX: cute.Tensor, gO: cute.Tensor, row: Int32, cv: Int32,
                    vec: cutlass.Constexpr, width: cutlass.Constexpr, ratio: cutlass.Constexpr,
-                   coff: cutlass.Constexpr, has_prev: cutlass.Boolean):
+                   coff: cutlass.Constexpr, has_prev: cutlass.Boolean, padding=None):
     """``out[row, cv*vec : cv*vec+vec]`` from a gathered window (``rS`` score + ape, ``rX`` kv),
     one bf16 rounding. Each column is pooled by the checked fast path (``pool_fast``) and,
     where it cannot prove its result within one bf16 step of the exact one, again exactly
-    (``pool_exact``: the reference's order and bits)."""
+    (``pool_exact``: the reference's order and bits). A ``padding`` row (``padding_row``) is
+    pooled exactly: every padding row pools the same window, so one fast column one step off
+    would be off on all of them (``EXACT_PADDING_ROWS``)."""
     rO = cute.make_rmem_tensor((vec,), Float32)
     for v in cutlass.range_constexpr(vec):
         if cutlass.const_expr(WINDOW_FWD_CHECKED):
             o, safe = pool_fast(rS, rX, v, width, ratio, coff, has_prev)
+            if cutlass.const_expr(padding is not None):
+                safe = safe and not padding
             if safe:
                 rO[v] = o
             else:

@@ -28,7 +28,7 @@ from cutlass.memory import SmemAllocator
 
 from .common import PoolingKernel, block_start, enter_grid, find_segment, load_window, stage_ape
 from .schedule import WINDOW_FWD_BULK_CTAS_PER_SM, WINDOW_FWD_BULK_RAMP, bulk_block_bytes
-from .window_fwd import pool_and_store
+from .window_fwd import padding_row, pool_and_store
 
 
 class WindowForwardBulk(PoolingKernel):
@@ -95,7 +95,7 @@ class WindowForwardBulk(PoolingKernel):
         if tidx == self.consumers:
             self.produce(mKV, mS, mCu, mCuC, mOut.shape[0], sKV, sS, sPrev, full, empty, first, count)
         elif tidx < self.consumers:
-            self.consume(mKV, mS, mApe, mOut, sKV, sS, sPrev, full, empty, first, count, tidx)
+            self.consume(mKV, mS, mApe, mCuC, mOut, sKV, sS, sPrev, full, empty, first, count, tidx)
 
     @cute.jit
     def produce(self, mKV, mS, mCu, mCuC, n_out, sKV, sS, sPrev, full, empty, first, count):
@@ -155,7 +155,7 @@ class WindowForwardBulk(PoolingKernel):
         cp_async_bulk_shared_cluster_global(sS.iterator + dst, mS.iterator + src, bar, self.block_bytes)
 
     @cute.jit
-    def consume(self, mKV, mS, mApe, mOut, sKV, sS, sPrev, full, empty, first, count, tidx):
+    def consume(self, mKV, mS, mApe, mCuC, mOut, sKV, sS, sPrev, full, empty, first, count, tidx):
         """Per stage: wait for its bytes, pool this thread's row and column slice out of shared
         memory, store, then release the stage before (its last row was this stage's previous
         block)."""
@@ -187,6 +187,7 @@ class WindowForwardBulk(PoolingKernel):
                 # ring blocks start at row ``block * ratio``; the previous block is block ``pb``
                 load_window(sKV, sS, gA, rS, rX, b * ratio, has_prev, cv, ratio, coff, n_vec, vec,
                             ape_rows=ape_rows, prev0=(pb + 1) * ratio)
-                pool_and_store(rS, rX, gO, row, cv, vec, width, ratio, coff, has_prev)
+                pool_and_store(rS, rX, gO, row, cv, vec, width, ratio, coff, has_prev,
+                               padding_row(mCuC, mCuC.shape[0] - 1, row))
             if i > 0:
                 cute.arch.mbarrier_arrive(empty + (i - 1) % S)
