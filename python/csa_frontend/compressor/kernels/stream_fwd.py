@@ -162,15 +162,7 @@ class StreamForward(PoolingKernel):
         # leaves its segment, as dependent loads of the offsets stalled every row.
         staged = can_stage(vec) and STREAM_FWD_STAGED[f"c{self.coff}"] == 1
         sBuf = stage_buffers(chunk, threads, vec) if cutlass.const_expr(staged) else None
-        # A CTA's rows: one contiguous run, or, interleaved, the grid's row CTAs apart, so that
-        # the whole grid reads one region of the pack at a time (``fwd_interleaved``; compiled
-        # in where ``stream_fwd_may_interleave``)
-        row = bx * rows_per_cta
-        step = Int32(1)
-        if cutlass.const_expr(stream_fwd_may_interleave(self.coff)):
-            if interleaved != 0:
-                row = bx
-                step = cute.arch.grid_dim()[0]
+        row, step = self.cta_walk(bx, rows_per_cta, interleaved)
         guess = staged and STREAM_FWD_GUESS
         if cutlass.const_expr(guess):
             # the first row requested before its lookup answers, where a launch of T / ratio
@@ -252,6 +244,19 @@ class StreamForward(PoolingKernel):
             self.exact_padding_rows(mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by)
 
     @cute.jit
+    def cta_walk(self, bx, rows_per_cta, interleaved):
+        """(first row, row step) of this CTA's rows: one contiguous run, or, interleaved, the
+        grid's row CTAs apart, so that the whole grid reads one region of the pack at a time
+        (``fwd_interleaved``; compiled in where ``stream_fwd_may_interleave``)."""
+        first = bx * rows_per_cta
+        step = Int32(1)
+        if cutlass.const_expr(stream_fwd_may_interleave(self.coff)):
+            if interleaved != 0:
+                first = bx
+                step = cute.arch.grid_dim()[0]
+        return first, step
+
+    @cute.jit
     def exact_padding_rows(self, mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by):
         """After the row loop: this CTA's padding rows (``row >= cu_seqlens_comp[-1]``) again, in
         the reference's steps (``padding_row_exact``, one thread per column, once per CTA). Every
@@ -260,12 +265,7 @@ class StreamForward(PoolingKernel):
         recomputed here rather than carried through the loop."""
         ct, threads, vec, n_vec = self.sched.col_threads, self.sched.threads, self.vec, self.n_vec
         tile_cols = ct * vec
-        first = bx * rows_per_cta
-        step = Int32(1)
-        if cutlass.const_expr(stream_fwd_may_interleave(self.coff)):
-            if interleaved != 0:
-                first = bx
-                step = cute.arch.grid_dim()[0]
+        first, step = self.cta_walk(bx, rows_per_cta, interleaved)
         n_rows = mOut.shape[0]
         n_real = mCuC[mCuC.shape[0] - 1]
         # rows first + i * step, i < rows_per_cta, inside [n_real, n_rows): i in [lo, hi]
