@@ -786,8 +786,8 @@ def padding_row_exact(mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, col:
     is invalid), its max, libdevice ``expf`` of ``s - max``, the denominator left to right,
     IEEE division, pinned products and their sum left to right. The reference adds coff 2's
     invalid positions first as exact zeros, so there both sums start from +0. For the stream
-    forwards, whose own arithmetic re-associates (``EXACT_PADDING_ROWS``); a few threads per
-    launch take it, once each."""
+    forwards, whose own arithmetic re-associates (``EXACT_PADDING_ROWS``): the pipelined one
+    takes it once per CTA that holds padding rows, the online one for each padding row."""
     colt = col + head_dim if cutlass.const_expr(coff == 2) else col
     unroll = min(PADDING_UNROLL, ratio)
     m = -Float32.inf
