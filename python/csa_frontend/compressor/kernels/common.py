@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .schedule import LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
+from .schedule import EXACT_PADDING_ROWS, LOOKUP_ONE_ROUND, LOOKUP_OVERLAPPED
 
 
 def _ptx_f32(instruction: str, args, loc, ip) -> Float32:
@@ -772,6 +772,16 @@ def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constex
         rS[k, v] = e
         den = add_in_order(den, e, k == 0)
     return den
+
+
+@cute.jit
+def padding_row(mCuC: cute.Tensor, n_seg: Int32, row: Int32):
+    """Whether ``row`` is a padding row, for forwards that pool padding rows in the reference's
+    exact steps (``EXACT_PADDING_ROWS``; with it off None: none is told apart)."""
+    pad = None
+    if cutlass.const_expr(EXACT_PADDING_ROWS):
+        pad = row >= mCuC[n_seg]
+    return pad
 
 
 #: Positions per iteration of ``padding_row_exact``'s loops: their loads go out together.

@@ -25,8 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import RowsForward, block_start, enter_grid, kv_and_score, padding_row_exact, row_start
-from .schedule import EXACT_PADDING_ROWS, STREAM_FAST_EXP
+from .common import RowsForward, block_start, enter_grid, kv_and_score, padding_row, padding_row_exact, row_start
+from .schedule import STREAM_FAST_EXP
 from .stream_fwd import relative_sums, rescale_factor
 
 
@@ -47,8 +47,9 @@ class OnlineForward(RowsForward):
             t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
             if cv < n_vec:
                 rO = cute.make_rmem_tensor((vec,), Float32)
-                if cutlass.const_expr(EXACT_PADDING_ROWS):
-                    if row >= mCuC[n_seg]:
+                padding = padding_row(mCuC, n_seg, row)
+                if cutlass.const_expr(padding is not None):
+                    if padding:
                         # a padding row: the reference's steps (every padding row pools the
                         # same window, so one column off would be off on all of them)
                         for v in cutlass.range_constexpr(vec):

@@ -23,9 +23,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .common import (LOG2E, RowsForward, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
-                     load_window, mul_rn, row_start, softmax_column)
+                     load_window, mul_rn, padding_row, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
-from .schedule import EXACT_PADDING_ROWS, WINDOW_FWD_CHECKED
+from .schedule import WINDOW_FWD_CHECKED
 
 
 class WindowForward(RowsForward):
@@ -48,15 +48,6 @@ class WindowForward(RowsForward):
                 gO = cute.zipped_divide(mOut, (1, vec))
                 pool_and_store(rS, rX, gO, row, cv, vec, width, self.ratio, self.coff, has_prev,
                                padding_row(mCuC, n_seg, row))
-
-
-@cute.jit
-def padding_row(mCuC: cute.Tensor, n_seg: Int32, row: Int32):
-    """Whether ``row`` is a padding row (``EXACT_PADDING_ROWS``; else None: none is told apart)."""
-    pad = None
-    if cutlass.const_expr(EXACT_PADDING_ROWS):
-        pad = row >= mCuC[n_seg]
-    return pad
 
 
 @cute.jit

@@ -26,9 +26,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
 
-from .common import PoolingKernel, block_start, enter_grid, find_segment, load_window, stage_ape
+from .common import PoolingKernel, block_start, enter_grid, find_segment, load_window, padding_row, stage_ape
 from .schedule import WINDOW_FWD_BULK_CTAS_PER_SM, WINDOW_FWD_BULK_RAMP, bulk_block_bytes
-from .window_fwd import padding_row, pool_and_store
+from .window_fwd import pool_and_store
 
 
 class WindowForwardBulk(PoolingKernel):
