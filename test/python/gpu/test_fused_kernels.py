@@ -907,6 +907,22 @@ def padded_forward(ratio, coff, head_dim, real_rows, pad_rows, seed):
     return out, ref, oracle, int(comp[-1])
 
 
+def check_padded_forward(ratio, coff, head_dim, real_rows, seed, exact):
+    """``padded_forward`` with as many padding rows as real ones: every element written, the
+    padding rows bit-identical to the reference, and the rest under the forward's contract
+    (``exact``: the register window's one bf16 step, else the stream family's count)."""
+    out, ref, oracle, n_real = padded_forward(ratio, coff, head_dim, real_rows, real_rows, seed)
+    assert not serial_launch(out.shape[0], ratio, coff, head_dim)
+    assert not torch.isnan(out.float()).any(), "forward left elements unwritten"
+    assert torch.equal(out[n_real:], ref[n_real:]), \
+        f"seed {seed}: {(out[n_real:] != ref[n_real:]).sum().item()} padding-row elements differ from the reference"
+    if exact:
+        assert_within_one_step(out, ref)
+        assert_oracle_parity("out", out, ref, oracle)
+    else:
+        assert_contract("out", out, ref, oracle)
+
+
 @pytest.mark.L1
 @pytest.mark.parametrize("walk", [False, True])
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 128), (3, 1, 65), (16, 2, 256), (12, 1, 64),
@@ -925,16 +941,7 @@ def test_padding_rows_carry_the_reference_bits(monkeypatch, walk, ratio, coff, h
     if walk:
         monkeypatch.setattr(schedule, "STREAM_FWD_GRID_SMS", 3)
     for seed in range(PADDING_SEEDS):
-        out, ref, oracle, n_real = padded_forward(ratio, coff, head_dim, real_rows, real_rows, seed=seed)
-        assert not serial_launch(out.shape[0], ratio, coff, head_dim)
-        assert not torch.isnan(out.float()).any(), "forward left elements unwritten"
-        assert torch.equal(out[n_real:], ref[n_real:]), \
-            f"seed {seed}: {(out[n_real:] != ref[n_real:]).sum().item()} padding-row elements differ from the reference"
-        if fwd.family == "window":
-            assert_within_one_step(out, ref)
-            assert_oracle_parity("out", out, ref, oracle)
-        else:
-            assert_contract("out", out, ref, oracle)
+        check_padded_forward(ratio, coff, head_dim, real_rows, seed, exact=fwd.family == "window")
 
 
 #: launches (seeds) per configuration of the padding-row tests
@@ -1183,12 +1190,8 @@ def test_bulk_forward_padding_rows_carry_the_reference_bits(bulk_forward, monkey
     walking every stage."""
     monkeypatch.setattr(bulk_forward, "WINDOW_FWD_BULK_CTAS", 3)
     for seed in range(PADDING_SEEDS):
-        out, ref, oracle, n_real = padded_forward(ratio, coff, head_dim, 40, 40, seed=seed)
+        check_padded_forward(ratio, coff, head_dim, 40, seed, exact=True)
         assert ran_bulk_forward(ratio, coff, head_dim)
-        assert torch.equal(out[n_real:], ref[n_real:]), \
-            f"seed {seed}: {(out[n_real:] != ref[n_real:]).sum().item()} padding-row elements differ from the reference"
-        assert_within_one_step(out, ref)
-        assert_oracle_parity("out", out, ref, oracle)
 
 
 @pytest.mark.L1
