@@ -172,6 +172,9 @@ class StreamForward(PoolingKernel):
                 request_row(mKV, mS, stage_slots(sBuf, 0, tidx), g_own0, g_has_prev, active, cv, k0, chunk,
                             self.ratio, self.coff, n_vec, vec)
         t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("fwd"))
+        # the padding pass's bound, loaded beside the first lookup: after the loop it would be a
+        # dependent round trip at the end of every CTA
+        n_real = mCuC[n_seg] if cutlass.const_expr(EXACT_PADDING_ROWS) else None
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
         if cutlass.const_expr(staged):
             if cutlass.const_expr(guess):
@@ -241,7 +244,7 @@ class StreamForward(PoolingKernel):
                         mOut[row, by * tile_cols + j] = merge_groups(sM, sD, sA, par, j, groups, fast).to(BFloat16)
             row, own0, has_prev = nrow, nown0, nhas_prev
         if cutlass.const_expr(EXACT_PADDING_ROWS):
-            self.exact_padding_rows(mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by)
+            self.exact_padding_rows(mKV, mS, mApe, n_real, mOut, rows_per_cta, interleaved, tidx, bx, by)
 
     @cute.jit
     def cta_walk(self, bx, rows_per_cta, interleaved):
@@ -257,7 +260,7 @@ class StreamForward(PoolingKernel):
         return first, step
 
     @cute.jit
-    def exact_padding_rows(self, mKV, mS, mApe, mCuC, mOut, rows_per_cta, interleaved, tidx, bx, by):
+    def exact_padding_rows(self, mKV, mS, mApe, n_real, mOut, rows_per_cta, interleaved, tidx, bx, by):
         """After the row loop: this CTA's padding rows (``row >= cu_seqlens_comp[-1]``) again, in
         the reference's steps (``padding_row_exact``, one thread per column, once per CTA). Every
         padding row pools the same window, so a column the re-associated sums round one bf16
@@ -267,7 +270,6 @@ class StreamForward(PoolingKernel):
         tile_cols = ct * vec
         first, step = self.cta_walk(bx, rows_per_cta, interleaved)
         n_rows = mOut.shape[0]
-        n_real = mCuC[mCuC.shape[0] - 1]
         # rows first + i * step, i < rows_per_cta, inside [n_real, n_rows): i in [lo, hi]
         lo = Int32(0)
         if first < n_real:
