@@ -775,12 +775,22 @@ def softmax_column(rS: cute.Tensor, v: cutlass.Constexpr, width: cutlass.Constex
 
 
 @cute.jit
-def padding_row(mCuC: cute.Tensor, n_seg: Int32, row: Int32):
-    """Whether ``row`` is a padding row, for forwards that pool padding rows in the reference's
-    exact steps (``EXACT_PADDING_ROWS``; with it off None: none is told apart)."""
-    pad = None
+def padding_bound(mCuC: cute.Tensor, n_seg: Int32):
+    """``cu_seqlens_comp[-1]``, the first padding row, for forwards that pool padding rows in
+    the reference's exact steps (``EXACT_PADDING_ROWS``; with it off None: none is told apart).
+    A kernel that walks rows loads it once, before its loop."""
+    bound = None
     if cutlass.const_expr(EXACT_PADDING_ROWS):
-        pad = row >= mCuC[n_seg]
+        bound = mCuC[n_seg]
+    return bound
+
+
+@cute.jit
+def padding_row(bound, row: Int32):
+    """Whether ``row`` is a padding row under ``padding_bound``'s ``bound`` (None: not told)."""
+    pad = None
+    if cutlass.const_expr(bound is not None):
+        pad = row >= bound
     return pad
 
 

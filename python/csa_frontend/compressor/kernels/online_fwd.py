@@ -25,7 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .common import RowsForward, block_start, enter_grid, kv_and_score, padding_row, padding_row_exact, row_start
+from .common import (RowsForward, block_start, enter_grid, kv_and_score, padding_bound, padding_row, padding_row_exact,
+                     row_start)
 from .schedule import STREAM_FAST_EXP
 from .stream_fwd import relative_sums, rescale_factor
 
@@ -47,7 +48,7 @@ class OnlineForward(RowsForward):
             t0, blk = row_start(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("fwd"))
             if cv < n_vec:
                 rO = cute.make_rmem_tensor((vec,), Float32)
-                padding = padding_row(mCuC, n_seg, row)
+                padding = padding_row(padding_bound(mCuC, n_seg), row)
                 if cutlass.const_expr(padding is not None):
                     if padding:
                         # a padding row: the reference's steps (every padding row pools the

@@ -26,8 +26,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (HALF_LOG2E, PoolingKernel, add_in_order, block_start, can_stage, enter_grid,
-                     exp2_half_squared, fma_rn, guessed_block_start, padding_row_exact, row_span, safe_max,
-                     stage_buffers, stage_slots)
+                     exp2_half_squared, fma_rn, guessed_block_start, padding_bound, padding_row_exact, row_span,
+                     safe_max, stage_buffers, stage_slots)
 from .stream_chunks import (ape_slice, gather_scores, invalid_position, stage_any_chunk, warp_chunks_max,
                             warp_chunks_sum)
 from .schedule import (EXACT_PADDING_ROWS, FIRST_ROW_ALONE, STREAM_FAST_EXP, STREAM_FWD_GUESS, STREAM_FWD_STAGED,
@@ -174,7 +174,7 @@ class StreamForward(PoolingKernel):
         t0, lo, hi, _ = row_span(mCu, mCuC, n_seg, row, False, self.one_round_loads("fwd"))
         # the padding pass's bound, loaded beside the first lookup: after the loop it would be a
         # dependent round trip at the end of every CTA
-        n_real = mCuC[n_seg] if cutlass.const_expr(EXACT_PADDING_ROWS) else None
+        n_real = padding_bound(mCuC, n_seg)
         own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
         if cutlass.const_expr(staged):
             if cutlass.const_expr(guess):

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .common import (LOG2E, RowsForward, add_in_order, block_start, div_exact, enter_grid, exp2_ftz, fma_rn,
-                     load_window, mul_rn, padding_row, row_start, softmax_column)
+                     load_window, mul_rn, padding_bound, padding_row, row_start, softmax_column)
 from .fast_pool_bound import ABS_FLOOR, MAX_SPREAD, OUT_LIMIT, SAFE_SCALE, bound_coefficients
 from .schedule import WINDOW_FWD_CHECKED
 
@@ -47,7 +47,7 @@ class WindowForward(RowsForward):
                 load_window(mKV, mS, gA, rS, rX, own0, has_prev, cv, self.ratio, self.coff, n_vec, vec)
                 gO = cute.zipped_divide(mOut, (1, vec))
                 pool_and_store(rS, rX, gO, row, cv, vec, width, self.ratio, self.coff, has_prev,
-                               padding_row(mCuC, n_seg, row))
+                               padding_row(padding_bound(mCuC, n_seg), row))
 
 
 @cute.jit

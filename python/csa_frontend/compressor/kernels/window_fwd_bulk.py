@@ -26,7 +26,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
 
-from .common import PoolingKernel, block_start, enter_grid, find_segment, load_window, padding_row, stage_ape
+from .common import (PoolingKernel, block_start, enter_grid, find_segment, load_window, padding_bound, padding_row,
+                     stage_ape)
 from .schedule import WINDOW_FWD_BULK_CTAS_PER_SM, WINDOW_FWD_BULK_RAMP, bulk_block_bytes
 from .window_fwd import pool_and_store
 
@@ -170,6 +171,7 @@ class WindowForwardBulk(PoolingKernel):
         rA = cute.make_rmem_tensor((width, 1, vec), Float32)
         stage_ape(gA, rA, cv < n_vec, cv, 0, 0, 1, ratio, coff, n_vec)
         ape_rows = rA[None, 0, None]
+        n_real = padding_bound(mCuC, mCuC.shape[0] - 1)  # once: a global load per stage otherwise
         for i in cutlass.range(count, unroll=1):
             slot = i % S
             cute.arch.mbarrier_wait(full + slot, (i // S) % 2)
@@ -187,7 +189,6 @@ class WindowForwardBulk(PoolingKernel):
                 # ring blocks start at row ``block * ratio``; the previous block is block ``pb``
                 load_window(sKV, sS, gA, rS, rX, b * ratio, has_prev, cv, ratio, coff, n_vec, vec,
                             ape_rows=ape_rows, prev0=(pb + 1) * ratio)
-                pool_and_store(rS, rX, gO, row, cv, vec, width, ratio, coff, has_prev,
-                               padding_row(mCuC, mCuC.shape[0] - 1, row))
+                pool_and_store(rS, rX, gO, row, cv, vec, width, ratio, coff, has_prev, padding_row(n_real, row))
             if i > 0:
                 cute.arch.mbarrier_arrive(empty + (i - 1) % S)
