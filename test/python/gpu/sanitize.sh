@@ -5,9 +5,9 @@
 # pipelined with it off, every warp combining) of the stream family, their backwards under both
 # row-count schedules; every forward of these small packs both as the serial forward and as its
 # family's own (the stream kernels also on launches of rows * ratio == tokens, where they guess
-# their first rows, the backward under both schedules); r4 c2 d512 through the bulk-copy forward and
-# the interleaved backward row walk; r4 c1 d520 through the wide (16-byte) register-window backward;
-# r32 c1 d64's interleaved stream backward and forward walks and r64 c2 d128's interleaved stream
+# their first rows, the backward under both schedules); r2 c2 d512 through the bulk-copy forward;
+# r4 c2 d512 through the interleaved backward row walk; r4 c1 d520 through the wide (16-byte)
+# register-window backward; r32 c1 d64's interleaved stream backward and forward walks and r64 c2 d128's interleaved stream
 # backward; the atomic grad_ape path of five of them; backwards without grad_ape (a frozen ape) of
 # two, deterministic and atomic; a side-stream call; a pack without rows) under compute-sanitizer's
 # memcheck, racecheck and initcheck, one after another, and prints one summary line per tool. Exits
