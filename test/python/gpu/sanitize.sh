@@ -7,11 +7,12 @@
 # family's own (the stream kernels also on launches of rows * ratio == tokens, where they guess
 # their first rows, the backward under both schedules); r2 c2 d512 through the bulk-copy forward;
 # r4 c2 d512 through the interleaved backward row walk; r4 c1 d520 through the wide (16-byte)
-# register-window backward; r32 c1 d64's interleaved stream backward and forward walks and r64 c2 d128's interleaved stream
-# backward; the atomic grad_ape path of five of them; backwards without grad_ape (a frozen ape) of
-# two, deterministic and atomic; a side-stream call; a pack without rows) under compute-sanitizer's
-# memcheck, racecheck and initcheck, one after another, and prints one summary line per tool. Exits
-# non-zero if any tool reports an error, the script fails, or a run exceeds its time limit.
+# register-window backward; r32 c1 d64's interleaved stream backward and forward walks and
+# r64 c2 d128's interleaved stream backward; the atomic grad_ape path of five of them; backwards
+# without grad_ape (a frozen ape) of two, deterministic and atomic; a side-stream call; a pack
+# without rows) under compute-sanitizer's memcheck, racecheck and initcheck, one after another, and
+# prints one summary line per tool. Exits non-zero if any tool reports an error, the script fails,
+# or a run exceeds its time limit.
 #
 #   bash test/python/gpu/sanitize.sh                 # from the repository root, csa_frontend importable
 #
