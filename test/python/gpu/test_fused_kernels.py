@@ -1306,3 +1306,83 @@ def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case, serial_varia
     assert torch.equal(out[~nan], ref[~nan]), f"{(out[~nan] != ref[~nan]).sum().item()} elements differ"
     if case == "non-finite":
         assert nan.any()
+
+
+# ---- row stealing (WINDOW_BWD_STEAL): warps take the back rows of slower warps' runs ----
+
+@pytest.fixture
+def stealing(monkeypatch):
+    """Sets row stealing for the rest of a test: ``stealing(rows, probe_us)`` (planner and compile
+    caches emptied at each change and at the end, so no schedule leaks either way)."""
+    from csa_frontend.compressor.kernels import dispatch
+
+    def forget():
+        schedule.choose_schedule.cache_clear()
+        dispatch.clear_cache()
+
+    def set_stealing(rows, probe_us=0):
+        forget()
+        monkeypatch.setattr(schedule, "WINDOW_BWD_STEAL", rows)
+        monkeypatch.setattr(window_bwd, "WINDOW_BWD_STEAL_PROBE_US", probe_us)
+        monkeypatch.setattr(dispatch, "_steal_work", {})
+
+    yield set_stealing
+    forget()
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("ctas", [3, 16])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 512), (4, 2, 128), (2, 2, 64), (3, 1, 64),
+                                              (1, 2, 16)])
+def test_window_backward_row_stealing(stealing, monkeypatch, deterministic, ctas, ratio, coff, head_dim):
+    """Row stealing with CTA 0 held back 40 us after its first claims, so that other warps take
+    its back rows (counted: at least one steal): grad_kv and grad_score carry the static walk's
+    bits, and so does grad_ape on the deterministic path, where the owner adds the stolen rows'
+    contributions in row order; the atomic path's grad_ape agrees to fp32 rounding. Ragged packs
+    with empty, short and tail segments, padding rows and tokens past the pack; contiguous
+    (3 CTAs) and interleaved (16, where the rule takes it) walks."""
+    from csa_frontend.compressor.kernels import dispatch
+    monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
+    g = torch.Generator(device="cuda").manual_seed(ratio * 100 + head_dim + ctas)
+    per_copy = edge_lengths(ratio) + [0, 5 * ratio, max(ratio - 1, 1)]
+    lanes = choose_schedule(ratio, coff, head_dim, "bwd").row_lanes
+    lengths = per_copy * (1 + 4 * ctas * lanes // sum(n // ratio for n in per_copy))  # >= 4 rows per thread
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + 5
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+
+    def run(det):
+        got = [torch.full_like(t, float("nan")) for t in (kv, score, ape)]
+        kernels.backward(kv, score, ape, cu, comp, grad_out, *got, ratio=ratio, coff=coff, head_dim=head_dim,
+                         deterministic=det)
+        for name, t in zip(("grad_kv", "grad_score", "grad_ape"), got):
+            assert not torch.isnan(t).any(), f"{name}: elements left unwritten"
+        return got
+
+    stealing(0)
+    want = run(True)
+    stealing(2, probe_us=40)
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "window" and sched.steal == 2
+    rows = schedule.bwd_rows_per_thread(total, sched, None, schedule.slab_bytes(ratio, coff, head_dim))
+    assert rows >= 3, f"runs of {rows} rows leave nothing to steal"
+    got = run(deterministic)
+    work = dispatch._steal_work[torch.cuda.current_device()]
+    assert int(work[-1]) > 0, "no row was stolen"
+    assert not work[:-1].any(), "the launch left claim words or flags set"
+    assert torch.equal(got[0], want[0]), f"grad_kv differs in {(got[0] != want[0]).sum().item()} elements"
+    assert torch.equal(got[1], want[1]), f"grad_score differs in {(got[1] != want[1]).sum().item()} elements"
+    if deterministic:
+        assert torch.equal(got[2], want[2]), f"grad_ape differs in {(got[2] != want[2]).sum().item()} elements"
+    else:
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5 * want[2].abs().max().item())
+    rkv, rs, rape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff)
+    assert torch.equal(got[0], rkv) and torch.equal(got[1], rs)
+    torch.testing.assert_close(got[2], rape, rtol=1e-5, atol=1e-5 * rape.abs().max().item())
+    # and again: the workspace the first launch left zeroed serves the next one
+    again = run(deterministic)
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+    if deterministic:
+        assert torch.equal(again[2], want[2])

@@ -522,3 +522,31 @@ def test_online_forward_stages_nothing(online_forward, ratio, coff, head_dim, mo
         monkeypatch.setitem(schedule.LOOKUP_ONE_ROUND, "fwd", 0)
         assert len(re.findall(r"shfl\.sync\.idx", planned_kernel_ptx(ratio, coff, head_dim, "fwd", monkeypatch,
                                                                        tmp_path))) + 2 <= searched
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 512), (1, 2, 16)])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_row_stealing_backward_compiles(ratio, coff, head_dim, deterministic, monkeypatch, tmp_path):
+    """``WINDOW_BWD_STEAL`` (off by default): the window backward compiled with its row claims
+    and the thief's CAS, and on the deterministic path the flag hand-over (release / acquire);
+    the default kernel has none of it."""
+    import dataclasses
+
+    from csa_frontend.compressor.kernels import schedule
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "window" and sched.steal == 0
+    build = lambda *a: dispatch._build_backward(*a, atomic=not deterministic)
+    default = main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)
+    assert "atom.global.cas" not in default and "atom.global.add.u32" not in default
+    monkeypatch.setattr(schedule, "WINDOW_BWD_STEAL", 2)
+    schedule.choose_schedule.cache_clear()
+    try:
+        stealing = choose_schedule(ratio, coff, head_dim, "bwd")
+    finally:
+        schedule.choose_schedule.cache_clear()
+    assert stealing == dataclasses.replace(sched, steal=2)
+    text = main_kernel_ptx(build, ratio, coff, head_dim, stealing, monkeypatch, tmp_path)
+    assert "atom.global.cas.b32" in text and "atom.global.add.u32" in text
+    assert ("st.release.gpu.global.b32" in text) == deterministic
+    assert ("ld.acquire.gpu.global.b32" in text) == deterministic

@@ -1,9 +1,11 @@
 """The launch planner (pure Python): families, vector widths, CTA shapes and per-call choices
 at every bucket boundary. None of it may depend on the GPU's SM count."""
+import dataclasses
 import inspect
 import os
 
 import pytest
+import torch
 
 from csa_frontend.compressor.kernels import schedule as sch
 
@@ -1095,3 +1097,37 @@ def test_online_forward_is_on_by_default():
     # d512 and wider keep the pipeline
     assert sch.choose_schedule(8, 2, 512, "fwd").family == "stream" and not sch.choose_schedule(8, 2, 512, "fwd").online
     assert not sch.choose_schedule(32, 1, 4096, "fwd").online
+
+
+def test_row_stealing_is_planned_only_where_the_kernel_can_take_it(monkeypatch):
+    """``WINDOW_BWD_STEAL``: off by default; set, the window backward's schedule carries it where
+    its CTA is whole warps (claims are per warp) at vec >= 2 (the cp.async walk), never the
+    forward or the stream family."""
+    assert all(sch.choose_schedule(r, c, d, "bwd").steal == 0 for r, c, d in [(4, 2, 512), (4, 1, 128), (1, 2, 16)])
+    monkeypatch.setattr(sch, "WINDOW_BWD_STEAL", 2)
+    sch.choose_schedule.cache_clear()
+    try:
+        assert sch.choose_schedule(4, 2, 512, "bwd").steal == 2
+        assert sch.choose_schedule(4, 2, 512, "fwd").steal == 0
+        assert sch.choose_schedule(3, 2, 65, "bwd").steal == 0  # odd head_dim: vec 1, no cp.async
+        odd = sch.choose_schedule(3, 1, 130, "bwd")  # 65 column threads x 3 row lanes: 195 threads
+        assert odd.family == "window" and odd.threads % 32 and odd.steal == 0
+        assert sch.choose_schedule(128, 2, 512, "bwd").family == "stream"
+        assert sch.choose_schedule(128, 2, 512, "bwd").steal == 0
+    finally:
+        sch.choose_schedule.cache_clear()
+
+
+def test_row_stealing_room_for_stolen_rows():
+    """The slabs' worth of room a stealing backward allocates after its slabs holds every back
+    slot's values of every thread (``WindowBackward.parts_view``), and launches past the claim
+    word's 16-bit fields are refused with a named error."""
+    from csa_frontend.compressor.kernels import dispatch
+    sched = dataclasses.replace(sch.choose_schedule(4, 2, 512, "bwd"), steal=2)
+    extra = dispatch.stolen_parts_slabs(sched, 256, 4, 2, 512)
+    values = sched.col_tiles * 256 * 2 * (4 * 2 * sched.vec) * sched.threads
+    assert extra * 4 * 2 * 512 >= values > (extra - 1) * 4 * 2 * 512
+    with pytest.raises(RuntimeError, match="row stealing"):
+        dispatch.steal_workspace(torch.device("cpu"), sched, 1 << 16, 4)
+    with pytest.raises(RuntimeError, match="row stealing"):
+        dispatch.steal_workspace(torch.device("cpu"), sched, 4, 1 << 15)

@@ -214,16 +214,19 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
 
     from .ape_reduce import ApeReduce
     from .stream_bwd import StreamBackward
-    from .window_bwd import WindowBackward
+    from .window_bwd import StealingWindowBackward, WindowBackward
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    family = WindowBackward if sched.family == "window" else StreamBackward
+    family = (StealingWindowBackward if sched.steal else WindowBackward) if sched.family == "window" else StreamBackward
     op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=sm90_or_later(arch),
                 column_cluster=bwd_column_cluster(sched, arch))
     one = cutlass.Int32(1)
-    args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], one, one, one, one,
-            stream)
+    work = ((make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4),)
+            if sched.family == "window" and sched.steal else ())
+    args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], *work, one, one, one,
+            one, stream)
     if sched.family == "stream":
         main, per_sm = _compile_resident(op, *args, arch=arch)
     else:
@@ -494,22 +497,54 @@ def _launch_backward(main, reduce, sched, per_sm, bucket, kv, score, ape, cu_seq
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)
     inter = int(bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, sched, rpt))
+    steals = sched.family == "window" and sched.steal > 0
+    work = (steal_workspace(kv.device, sched, groups, rpt),) if steals else ()
     if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
         if grad_ape is None:  # zeroed all the same: atomics read what they add to (initcheck)
             sums = torch.zeros((1, ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
         else:
             grad_ape.zero_()
             sums = grad_ape.view(1, ratio, coff * head_dim)
-        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, sums, rpt, groups,
+        main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, sums, *work, rpt, groups,
              zero_ctas, inter)
         return
-    slab = torch.empty((max(groups, 1), ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
+    extra = stolen_parts_slabs(sched, groups, ratio, coff, head_dim) if steals else 0
+    slab = torch.empty((max(groups, 1) + extra, ratio, coff * head_dim), dtype=torch.float32, device=kv.device)
     if groups == 0 and grad_ape is not None:
         slab.zero_()
-    main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab,
+    main(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slab, *work,
          rpt, groups, zero_ctas, inter)
     if grad_ape is not None:
-        reduce(slab, grad_ape, ape_split(slab.shape[0]))
+        slabs = slab[:max(groups, 1)] if extra else slab
+        reduce(slabs, grad_ape, ape_split(slabs.shape[0]))
+
+
+#: device index -> the row-stealing backward's claim workspace (int32, zero between launches)
+_steal_work: Dict[int, torch.Tensor] = {}
+
+
+def steal_workspace(device: torch.device, sched: Schedule, groups: int, rows: int) -> torch.Tensor:
+    """The claim words and flags of a row-stealing window backward launch (``WINDOW_BWD_STEAL``):
+    zeroed once per device and grown as needed; every launch leaves it zeroed, so launches on
+    one device must not overlap."""
+    if groups >= 1 << 16 or rows >= 1 << 15:
+        raise RuntimeError(f"csa_frontend: row stealing (CSA_FRONTEND_WINDOW_BWD_STEAL) takes at most 65535 row "
+                           f"groups of fewer than 32768 rows per thread; this launch has {groups} of {rows}")
+    # words, flags, and a last word that counts steals (``WINDOW_BWD_STEAL_PROBE_US``, tests)
+    need = sched.col_tiles * groups * (sched.threads // 32) * (1 + sched.steal) + 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    work = _steal_work.get(index)
+    if work is None or work.numel() < need:
+        work = torch.zeros(need, dtype=torch.int32, device=device)
+        _steal_work[index] = work
+    return work
+
+
+def stolen_parts_slabs(sched: Schedule, groups: int, ratio: int, coff: int, head_dim: int) -> int:
+    """Slabs' worth of room after a stealing backward's slabs for its stolen rows' grad_ape
+    contributions (``WindowBackward.parts_view``)."""
+    values = sched.col_tiles * groups * sched.steal * ratio * coff * sched.vec * sched.threads
+    return -(-values // (ratio * coff * head_dim))
 
 
 def _backward_kernels(deterministic: bool, device: torch.device, ratio: int, coff: int, head_dim: int):

@@ -214,6 +214,7 @@ class Schedule:
     chunk: int = 0  # stream family: window positions per thread (online forward: per step of its walk)
     stages: int = 0  # window forward: bulk-copy pipeline stages (``bulk_forward_schedule``); 0: none
     online: bool = False  # stream forward: one thread walks a row's whole window (``online_fwd``)
+    steal: int = 0  # window backward: rows at the back of a warp's run other warps may take (``WINDOW_BWD_STEAL``)
 
     @property
     def threads(self) -> int:
@@ -284,7 +285,9 @@ def _window_schedule(head_dim: int, vec: int, direction: str) -> Schedule:
     col_threads = min(n_vec, cta_threads)
     col_tiles = -(-n_vec // col_threads)
     row_lanes = max(1, cta_threads // col_threads)
-    return Schedule("window", vec, col_threads, row_lanes, col_tiles)
+    # whole warps (claims are per warp) and the cp.async walk (stolen rows' owners stage theirs)
+    steal = WINDOW_BWD_STEAL if direction == "bwd" and vec >= 2 and col_threads * row_lanes % 32 == 0 else 0
+    return Schedule("window", vec, col_threads, row_lanes, col_tiles, steal=steal)
 
 
 #: Register-window backward at 16-byte accesses (vec 8: half the column threads, twice the row
@@ -1187,6 +1190,23 @@ WINDOW_BWD_STAGGER_NS = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STAGGER_NS",
 #: limit (the 128-register coff-2 backward ran 9x slower with it; coff 1 ran at its usual time).
 #: Off (the default) emits no code. Diagnostic knob, CSA_FRONTEND_CTA_CLOCKS=1.
 CTA_CLOCKS = os.environ.get("CSA_FRONTEND_CTA_CLOCKS", "0") == "1"
+#: Register-window backward, row stealing (NOTES row 186; off by default): a warp that has
+#: walked its own rows takes up to this many rows from the back of a slower warp's run (the
+#: warp of the same index and column tile in another CTA, the one with the most rows still
+#: unrequested), claimed through a per-warp word of front and back counts. A stolen row's
+#: grad_ape contributions go to the owner through global memory and are added after its own
+#: rows in row order, so grad_ape keeps the bits of the static walk. The words and flags live
+#: in a per-device workspace that every launch leaves zeroed: two backward launches must not
+#: run at once on one device. Per-CTA clocks (NOTES rows 160-163) showed the slow SMs of a
+#: launch drawn afresh each time, so no static split balances them. Knob,
+#: CSA_FRONTEND_WINDOW_BWD_STEAL (0: no code).
+WINDOW_BWD_STEAL = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL", "0"))
+#: Scans of the other warps' words a thief makes before it stops looking (a CAS lost to the
+#: owner or another thief costs one).
+WINDOW_BWD_STEAL_SCANS = 8
+#: Tests only: with row stealing, the warps of CTA 0 start about this many microseconds late (so
+#: others take their back rows) and every steal is counted in the workspace's last word. 0: no code.
+WINDOW_BWD_STEAL_PROBE_US = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL_PROBE_US", "0"))
 
 #: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream
 #: launch at once and waits (``griddepcontrol.wait``) for the previous one to finish and flush

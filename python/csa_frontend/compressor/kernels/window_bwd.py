@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_async, enter_grid,
                      load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, stages_ape_tile
+from .schedule import (CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, WINDOW_BWD_STEAL_PROBE_US,
+                       WINDOW_BWD_STEAL_SCANS, stages_ape_tile)
 
 
 class WindowBackward(BackwardKernel):
@@ -39,6 +40,14 @@ class WindowBackward(BackwardKernel):
     @cute.kernel
     def kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
                rows_per_thread, row_groups, zero_ctas, interleaved):
+        self.body(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, rows_per_thread, row_groups, zero_ctas,
+                  interleaved, None)
+
+    @cute.jit
+    def body(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, rows_per_thread, row_groups, zero_ctas,
+             interleaved, mWork):
+        """The kernel; ``mWork``: the stealing variant's claim words and flags (``StealingWindowBackward``),
+        None for the static walk."""
         enter_grid(self.pdl)
         ratio, coff, vec, n_vec, width = self.ratio, self.coff, self.vec, self.n_vec, self.width
         ct, lanes = self.sched.col_threads, self.sched.row_lanes
@@ -81,10 +90,29 @@ class WindowBackward(BackwardKernel):
                 step = row_groups * lanes
                 row = bx * lanes + lane
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
+            # Rows of this thread's run it computes itself: all of them, unless (stealing) other
+            # warps took rows from its back; then the first ``owned``.
+            owned = rows_per_thread
+            steals = cutlass.const_expr(mWork is not None)
+            pending = Int32(-1)
+            unit = Int32(0)
+            if cutlass.const_expr(steals):
+                assert staged, "row stealing needs the staged (cp.async) walk"
+                unit = (by * row_groups + bx) * (self.sched.threads // 32) + tidx // 32
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
-                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, rows_per_thread, row, step, t0,
+                    if cutlass.const_expr(steals):
+                        if not self.claim_granted(self.claim_issue(mWork, unit, p, owned, rows_per_thread), p,
+                                                  rows_per_thread):
+                            owned = cutlass.min(owned, p)
+                    self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, p, p, p, owned, row, step, t0,
                                      lo, hi, n_real, col_ok, cv, tidx)
+                if cutlass.const_expr(steals):
+                    pending = self.claim_issue(mWork, unit, stages - 1, owned, rows_per_thread)
+                    if cutlass.const_expr(WINDOW_BWD_STEAL_PROBE_US > 0):
+                        if bx == 0:  # tests: CTA 0 falls behind after its first claims
+                            for _ in cutlass.range(WINDOW_BWD_STEAL_PROBE_US, unroll=1):
+                                nanosleep(1000)
             ape_rows = None
             if cutlass.const_expr(sApe is not None):
                 # Every row re-reads the same ape window; from global (L1) those loads were the
@@ -100,9 +128,16 @@ class WindowBackward(BackwardKernel):
                     nanosleep(WINDOW_BWD_STAGGER_NS)
             for it in cutlass.range(rows_per_thread, unroll=1):
                 slots = None
+                if cutlass.const_expr(steals):
+                    # the claim of the row staged now went out an iteration ago; the next one's goes now
+                    ahead = it + stages - 1
+                    if ahead < rows_per_thread:
+                        if not self.claim_granted(pending, ahead, rows_per_thread):
+                            owned = cutlass.min(owned, ahead)
+                        pending = self.claim_issue(mWork, unit, ahead + 1, owned, rows_per_thread)
                 if cutlass.const_expr(staged):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
-                                     it + stages - 1, rows_per_thread, row, step, t0, lo, hi, n_real, col_ok, cv,
+                                     it + stages - 1, owned, row, step, t0, lo, hi, n_real, col_ok, cv,
                                      tidx)
                     cute.arch.cp_async_wait_group(stages - 1)
                     slots = stage_slots(sBuf, it % stages, tidx)
@@ -113,12 +148,36 @@ class WindowBackward(BackwardKernel):
                 row = row + step
                 if row >= hi:
                     t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
+                if cutlass.const_expr(steals):
+                    if it >= owned:
+                        this_row = n_real  # taken by another warp, which computes it
                 if this_row < n_real and col_ok:
                     wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, this_row, own0,
                                                  has_prev, cv, ape_rows)
                     if last_blk:
                         # its segment's last block: nobody consumes its first-half columns, nor the tail
                         self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, seg_end, cv)
+            if cutlass.const_expr(steals):
+                park = None
+                if cutlass.const_expr(not self.atomic):
+                    # the own rows' partials wait in the (now idle) stage buffers while rPart
+                    # serves the stolen rows: two sets in registers cost 154 registers, not 128
+                    cute.arch.cp_async_wait_group(0)
+                    park = cute.make_tensor(cute.recast_ptr(sBuf.iterator, dtype=Float32),
+                                            cute.make_layout((self.width * vec, self.sched.threads),
+                                                             stride=(self.sched.threads, 1)))
+                    for k in cutlass.range_constexpr(width):
+                        for v in cutlass.range_constexpr(vec):
+                            park[k * vec + v, tidx] = rPart[k, v]
+                self.steal_rows(mKV, mS, gA, gGO, mGKV, mGS, gGKV, gGS, mCu, mCuC, mSlab, mWork, rPart, n_seg,
+                                n_real, row_groups, rows_per_thread, interleaved, col_ok, cv, by, tidx, lane, ape_rows)
+                if cutlass.const_expr(not self.atomic):
+                    for k in cutlass.range_constexpr(width):
+                        for v in cutlass.range_constexpr(vec):
+                            rPart[k, v] = park[k * vec + v, tidx]
+                    self.collect_stolen(mSlab, mWork, unit, rPart, row_groups, rows_per_thread, owned, tidx)
+                if tidx % 32 == 0:  # every thief's CAS on this word has failed or landed: zeroed for the next launch
+                    cute.arch.store((mWork.iterator + unit).llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
             if cutlass.const_expr(CTA_CLOCKS):
                 if tidx == 0:
@@ -129,6 +188,159 @@ class WindowBackward(BackwardKernel):
             zb = bx - row_groups
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
+
+    # ---- row stealing (``WINDOW_BWD_STEAL``; ``StealingWindowBackward``) ----------------------
+    # mWork (int32, zero between launches): one word per warp of the grid, ``unit`` =
+    # (column tile * row groups + CTA) * warps + warp: low 16 bits the rows its owner has claimed
+    # from the front, high 16 bits the rows thieves have taken from the back (at most
+    # ``sched.steal``); then one flag per (unit, back slot): set when a thief has written that
+    # row's grad_ape contributions, cleared by the owner once added. Only the last ``steal``
+    # rows of a run are ever taken, so the owner adds its other rows' claims without waiting
+    # for the answer (a reduction), and its back rows' a row early.
+
+    @cute.jit
+    def claim_issue(self, mWork, unit, index, owned, rows) -> Int32:
+        """Claim row ``index`` of this warp's run (lane 0; in row order). Returns the word before
+        the claim for a back row, whose answer matters (``claim_granted``), else -1."""
+        old = Int32(-1)
+        if index < rows and index < owned and cute.arch.lane_idx() == 0:
+            ptr = (mWork.iterator + unit).llvm_ptr
+            if index < rows - self.sched.steal:
+                cute.arch.atomic_add(ptr, Int32(1), sem="relaxed", scope="gpu")
+            else:
+                old = cute.arch.atomic_add(ptr, Int32(1), sem="relaxed", scope="gpu")
+        return old
+
+    @cute.jit
+    def claim_granted(self, pending, index, rows):
+        """Whether the owner keeps row ``index``, from its claim's word (``claim_issue``): rows
+        before the back ones always; a back row while front + back claims stay under ``rows``."""
+        word = cute.arch.shuffle_sync(pending, 0)
+        granted = index < rows - self.sched.steal
+        if not granted:
+            granted = (word & 0xFFFF) + (word >> 16) < rows
+        return granted
+
+    @cute.jit
+    def steal_rows(self, mKV, mS, gA, gGO, mGKV, mGS, gGKV, gGS, mCu, mCuC, mSlab, mWork, rPart, n_seg, n_real,
+                   row_groups, rows, interleaved, col_ok, cv, by, tidx, lane, ape_rows):
+        """After its own rows: take rows from the back of the runs of the same warp in other
+        CTAs of this column tile, the one with the most rows its owner has not claimed first,
+        until none has any left (or ``WINDOW_BWD_STEAL_SCANS`` scans). Each stolen row is
+        computed as its owner would (same lane, same columns); its grad_ape contributions are
+        added to ``rPart`` (atomic variant) or written there alone and handed to the owner
+        (``publish_stolen``)."""
+        steal = self.sched.steal
+        warps = self.sched.threads // 32
+        warp = tidx // 32
+        wl = tidx % 32
+        lanes = self.sched.row_lanes
+        scans = Int32(0)
+        looking = Int32(1)
+        while looking != 0:
+            best = Int32(-1)
+            best_word = Int32(0)
+            for victim in cutlass.range(wl, row_groups, 32, unroll=1):
+                word = cute.arch.load((mWork.iterator + ((by * row_groups + victim) * warps + warp)).llvm_ptr,
+                                      Int32, sem="relaxed", scope="gpu")
+                front = word & 0xFFFF
+                back = word >> 16
+                left = rows - front - back
+                # front >= 1: the owner has started (a zeroed word is never a CAS's expected value)
+                if front >= 1 and back < steal and left >= 1:
+                    key = cutlass.min(left, 255) * 65536 + victim
+                    if key > best:
+                        best = key
+                        best_word = word
+            for sh in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_bfly(best, offset=1 << (4 - sh))
+                best = cutlass.max(best, other)
+            looking = Int32(0)
+            if best >= 0:
+                victim = best & 0xFFFF
+                expected = cute.arch.shuffle_sync(best_word, victim % 32)
+                seen = Int32(0)
+                if wl == 0:
+                    seen = cute.arch.atomic_cas(
+                        (mWork.iterator + ((by * row_groups + victim) * warps + warp)).llvm_ptr,
+                        cmp=expected, val=expected + 65536, sem="relaxed", scope="gpu")
+                seen = cute.arch.shuffle_sync(seen, 0)
+                if seen == expected:
+                    if cutlass.const_expr(WINDOW_BWD_STEAL_PROBE_US > 0):
+                        if wl == 0:
+                            cute.arch.atomic_add((mWork.iterator + (mWork.shape[0] - 1)).llvm_ptr, Int32(1),
+                                                 sem="relaxed", scope="gpu")
+                    slot = expected >> 16
+                    index = rows - 1 - slot
+                    row = victim * rows * lanes + lane + index * lanes
+                    if interleaved != 0:
+                        row = victim * lanes + lane + index * row_groups * lanes
+                    t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
+                    own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
+                    last_blk = row - lo == hi - lo - 1
+                    if cutlass.const_expr(not self.atomic):
+                        rPart.fill(0.0)  # the row's own contributions (the owner's partials are parked)
+                    if row < n_real and col_ok:
+                        wGKV, wGS = self.compute_row(mKV, mS, gA, gGO, mGKV, mGS, rPart, None, row, own0, has_prev,
+                                                     cv, ape_rows)
+                        if last_blk:
+                            self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, t1, cv)
+                    if cutlass.const_expr(not self.atomic):
+                        self.publish_stolen(mSlab, mWork, rPart, row_groups, (by * row_groups + victim) * warps + warp,
+                                            (by * row_groups + victim) * steal + slot, tidx)
+                scans = scans + 1
+                if scans < WINDOW_BWD_STEAL_SCANS:
+                    looking = Int32(1)
+
+    @cute.jit
+    def parts_view(self, mSlab, row_groups):
+        """The stolen rows' grad_ape contributions, after the slabs in the same allocation:
+        ``(slot, window value, thread)`` with slot = (column tile * row groups + owner CTA) *
+        steal + back slot; consecutive threads consecutive, so a warp's stores coalesce."""
+        wv = self.width * self.vec
+        threads = self.sched.threads
+        base = row_groups * mSlab.shape[1] * mSlab.shape[2]
+        n_slots = self.sched.col_tiles * row_groups * self.sched.steal
+        return cute.make_tensor(mSlab.iterator + base,
+                                cute.make_layout((n_slots, wv, threads), stride=(wv * threads, threads, 1)))
+
+    @cute.jit
+    def publish_stolen(self, mSlab, mWork, rTaken, row_groups, victim_unit, slot, tidx):
+        """Hand a stolen row's grad_ape contributions to its owner: store them, then raise the
+        slot's flag with release order (every lane's stores before it, through the warp barrier)."""
+        gParts = self.parts_view(mSlab, row_groups)
+        for k in cutlass.range_constexpr(self.width):
+            for v in cutlass.range_constexpr(self.vec):
+                gParts[slot, k * self.vec + v, tidx] = rTaken[k, v]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if tidx % 32 == 0:
+            n_units = self.sched.col_tiles * row_groups * (self.sched.threads // 32)
+            flag = n_units + victim_unit * self.sched.steal + (slot % self.sched.steal)
+            cute.arch.store((mWork.iterator + flag).llvm_ptr, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def collect_stolen(self, mSlab, mWork, unit, rPart, row_groups, rows, owned, tidx):
+        """Add the rows thieves took from this warp's run (``owned`` on) in row order, as the
+        static walk would have, each once its flag is up; then lower the flag."""
+        steal = self.sched.steal
+        gParts = self.parts_view(mSlab, row_groups)
+        n_units = self.sched.col_tiles * row_groups * (self.sched.threads // 32)
+        owner = unit // (self.sched.threads // 32)  # column tile * row groups + CTA
+        for index in cutlass.range(owned, rows, unroll=1):
+            back = rows - 1 - index
+            flag = (mWork.iterator + (n_units + unit * steal + back)).llvm_ptr
+            up = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            while up == 0:
+                nanosleep(64)
+                up = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            slot = owner * steal + back
+            for k in cutlass.range_constexpr(self.width):
+                for v in cutlass.range_constexpr(self.vec):
+                    rPart[k, v] = rPart[k, v] + gParts[slot, k * self.vec + v, tidx]
+            cute.arch.sync_warp()
+            if tidx % 32 == 0:
+                cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
 
     @cute.jit
     def compute_row(self, mKV, mS, gA, gGO, mGKV, mGS, rPart, slots, row, own0, has_prev, cv, ape_rows):
@@ -245,6 +457,31 @@ class WindowBackward(BackwardKernel):
                             acc = acc + sRed[y, c]
                     store_partial(mSlab, bx, arow, half * n_vec * vec + col0 + c, acc, self.atomic)
             cute.arch.sync_threads()
+
+
+class StealingWindowBackward(WindowBackward):
+    """``WindowBackward`` with row stealing (``schedule.WINDOW_BWD_STEAL``): launched with the
+    claim workspace ``mWork`` and, on the deterministic path, a slab tensor with room for the
+    stolen rows' contributions after its ``row_groups`` slabs (``WindowBackward.parts_view``)."""
+
+    @cute.jit
+    def __call__(self, mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+                 mGO: cute.Tensor, mGKV: cute.Tensor, mGS: cute.Tensor, mSlab: cute.Tensor, mWork: cute.Tensor,
+                 rows_per_group: Int32, row_groups: Int32, zero_ctas: Int32, interleaved: Int32, stream):
+        self.stealing_kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, mWork,
+                             rows_per_group, row_groups, zero_ctas, interleaved).launch(
+            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
+            block=(self.sched.threads, 1, 1),
+            cluster=self.launch_cluster(),
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def stealing_kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, mWork,
+                        rows_per_thread, row_groups, zero_ctas, interleaved):
+        self.body(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, rows_per_thread, row_groups, zero_ctas,
+                  interleaved, mWork)
 
 
 #: Row lanes up to which the slab's lane sum is unrolled at trace time (every head_dim >= 16).
