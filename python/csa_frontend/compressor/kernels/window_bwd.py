@@ -160,21 +160,20 @@ class WindowBackward(BackwardKernel):
             if cutlass.const_expr(steals):
                 park = None
                 if cutlass.const_expr(not self.atomic):
-                    # the own rows' partials wait in the (now idle) stage buffers while rPart
-                    # serves the stolen rows: two sets in registers cost 154 registers, not 128
+                    # the own rows' partials wait in this thread's own (now idle) stage slots
+                    # while rPart serves the stolen rows: two sets in registers took 154
+                    # registers, not 128. Its own slots only: other warps may still be walking.
                     cute.arch.cp_async_wait_group(0)
-                    park = cute.make_tensor(cute.recast_ptr(sBuf.iterator, dtype=Float32),
-                                            cute.make_layout((self.width * vec, self.sched.threads),
-                                                             stride=(self.sched.threads, 1)))
+                    park = self.park_view(sBuf)
                     for k in cutlass.range_constexpr(width):
                         for v in cutlass.range_constexpr(vec):
-                            park[k * vec + v, tidx] = rPart[k, v]
+                            park[(k * vec + v) // (vec // 2), tidx, (k * vec + v) % (vec // 2)] = rPart[k, v]
                 self.steal_rows(mKV, mS, gA, gGO, mGKV, mGS, gGKV, gGS, mCu, mCuC, mSlab, mWork, rPart, n_seg,
                                 n_real, row_groups, rows_per_thread, interleaved, col_ok, cv, by, tidx, lane, ape_rows)
                 if cutlass.const_expr(not self.atomic):
                     for k in cutlass.range_constexpr(width):
                         for v in cutlass.range_constexpr(vec):
-                            rPart[k, v] = park[k * vec + v, tidx]
+                            rPart[k, v] = park[(k * vec + v) // (vec // 2), tidx, (k * vec + v) % (vec // 2)]
                     self.collect_stolen(mSlab, mWork, unit, rPart, row_groups, rows_per_thread, owned, tidx)
                 if tidx % 32 == 0:  # every thief's CAS on this word has failed or landed: zeroed for the next launch
                     cute.arch.store((mWork.iterator + unit).llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
@@ -291,6 +290,16 @@ class WindowBackward(BackwardKernel):
                 scans = scans + 1
                 if scans < WINDOW_BWD_STEAL_SCANS:
                     looking = Int32(1)
+
+    def park_view(self, sBuf):
+        """The stage slots as fp32, ``(slot row, thread, vec / 2)``: a thread's slot rows (every
+        stage's) hold ``stages * (2 * width + 1) * vec / 2`` fp32 values, at least the ``width *
+        vec`` of its partials."""
+        half = self.vec // 2
+        rows = self.stages * (2 * self.width + 1)
+        threads = self.sched.threads
+        return cute.make_tensor(cute.recast_ptr(sBuf.iterator, dtype=Float32),
+                                cute.make_layout((rows, threads, half), stride=(threads * half, half, 1)))
 
     @cute.jit
     def parts_view(self, mSlab, row_groups):
