@@ -376,8 +376,13 @@ class BackwardKernel(PoolingKernel):
         interleaved: Int32,
         stream,
     ):
-        self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
-                    rows_per_group, row_groups, zero_ctas, interleaved).launch(
+        self.launch_grid(self.kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab,
+                                     rows_per_group, row_groups, zero_ctas, interleaved), row_groups, zero_ctas, stream)
+
+    def launch_grid(self, kernel, row_groups, zero_ctas, stream):
+        """Launch ``kernel`` (a traced kernel call) on the backward grid: row groups and zero-fill
+        CTAs times the column tiles."""
+        kernel.launch(
             grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
             block=(self.sched.threads, 1, 1),
             cluster=self.launch_cluster(),

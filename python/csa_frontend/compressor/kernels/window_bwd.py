@@ -477,14 +477,9 @@ class StealingWindowBackward(WindowBackward):
     def __call__(self, mKV: cute.Tensor, mS: cute.Tensor, mApe: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
                  mGO: cute.Tensor, mGKV: cute.Tensor, mGS: cute.Tensor, mSlab: cute.Tensor, mWork: cute.Tensor,
                  rows_per_group: Int32, row_groups: Int32, zero_ctas: Int32, interleaved: Int32, stream):
-        self.stealing_kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, mWork,
-                             rows_per_group, row_groups, zero_ctas, interleaved).launch(
-            grid=(row_groups + zero_ctas, self.sched.col_tiles, 1),
-            block=(self.sched.threads, 1, 1),
-            cluster=self.launch_cluster(),
-            stream=stream,
-            use_pdl=self.pdl,
-        )
+        self.launch_grid(self.stealing_kernel(mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, mWork,
+                                              rows_per_group, row_groups, zero_ctas, interleaved),
+                         row_groups, zero_ctas, stream)
 
     @cute.kernel
     def stealing_kernel(self, mKV, mS, mApe, mCu, mCuC, mGO, mGKV, mGS, mSlab, mWork,
