@@ -1204,6 +1204,9 @@ WINDOW_BWD_STEAL = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL", "0"))
 #: Scans of the other warps' words a thief makes before it stops looking (a CAS lost to the
 #: owner or another thief costs one).
 WINDOW_BWD_STEAL_SCANS = 8
+#: A thief takes a row only from a run with at least this many rows its owner has not yet
+#: claimed (the owner is then that many rows behind; a stolen row is walked cold, unstaged).
+WINDOW_BWD_STEAL_MIN_LEFT = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL_MIN_LEFT", "1"))
 #: Tests only: with row stealing, the warps of CTA 0 start about this many microseconds late (so
 #: others take their back rows) and every steal is counted in the workspace's last word. 0: no code.
 WINDOW_BWD_STEAL_PROBE_US = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL_PROBE_US", "0"))

@@ -24,8 +24,8 @@ from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_asyn
                      load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import (CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, WINDOW_BWD_STEAL_PROBE_US,
-                       WINDOW_BWD_STEAL_SCANS, stages_ape_tile)
+from .schedule import (CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, WINDOW_BWD_STEAL_MIN_LEFT,
+                       WINDOW_BWD_STEAL_PROBE_US, WINDOW_BWD_STEAL_SCANS, stages_ape_tile)
 
 
 class WindowBackward(BackwardKernel):
@@ -246,7 +246,7 @@ class WindowBackward(BackwardKernel):
                 back = word >> 16
                 left = rows - front - back
                 # front >= 1: the owner has started (a zeroed word is never a CAS's expected value)
-                if front >= 1 and back < steal and left >= 1:
+                if front >= 1 and back < steal and left >= WINDOW_BWD_STEAL_MIN_LEFT:
                     key = cutlass.min(left, 255) * 65536 + victim
                     if key > best:
                         best = key
