@@ -535,6 +535,10 @@ def steal_workspace(device: torch.device, sched: Schedule, groups: int, rows: in
     index = device.index if device.index is not None else torch.cuda.current_device()
     work = _steal_work.get(index)
     if work is None or work.numel() < need:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # allocated in the graph's pool and zeroed only at replay, it would serve eager calls too
+            raise RuntimeError("csa_frontend: row stealing (CSA_FRONTEND_WINDOW_BWD_STEAL) would allocate its "
+                               "workspace during CUDA-graph capture; run this backward once before capturing")
         work = torch.zeros(need, dtype=torch.int32, device=device)
         _steal_work[index] = work
     return work
