@@ -1198,7 +1198,11 @@ CTA_CLOCKS = os.environ.get("CSA_FRONTEND_CTA_CLOCKS", "0") == "1"
 #: rows in row order, so grad_ape keeps the bits of the static walk. The words and flags live
 #: in a per-device workspace that every launch leaves zeroed: two backward launches must not
 #: run at once on one device. Per-CTA clocks (NOTES rows 160-163) showed the slow SMs of a
-#: launch drawn afresh each time, so no static split balances them. Knob,
+#: launch drawn afresh each time, so no static split balances them. But as built it loses
+#: (H100, session 70, bwd us static / 2 rows: 3x8192 r4 c2 d512 84.1 / 89.1-90.1, r4 c1 d512
+#: 43.0 / 49.8-50.7, 64x1000 r4 c2 d128 57.0 / 61.2-61.4, 1x65536 r4 c2 d512 207.4 / 258.1-258.9):
+#: a stolen row is walked cold, outside the thief's cp.async pipeline, so it costs the thief
+#: about what the spread saves, and its owner waits for it. Experimental knob,
 #: CSA_FRONTEND_WINDOW_BWD_STEAL (0: no code).
 WINDOW_BWD_STEAL = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL", "0"))
 #: Scans of the other warps' words a thief makes before it stops looking (a CAS lost to the
