@@ -210,12 +210,11 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     kernel per SM: the stream family's residency, else 0)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     from .ape_reduce import ApeReduce
     from .stream_bwd import StreamBackward
     from .window_bwd import StealingWindowBackward, WindowBackward
-    from cutlass.cute.runtime import make_fake_compact_tensor
 
     f = _fake_tensors(ratio, coff, head_dim)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
