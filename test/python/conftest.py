@@ -49,18 +49,15 @@ def _online_window(monkeypatch, window, max_head_dim=None):
     """The online stream forward's window limit set to ``window`` (and its head-dim limit to
     ``max_head_dim``) for one test; planner and compile caches are emptied before and after, so
     neither side sees the other's schedules."""
-    from csa_frontend.compressor.kernels import dispatch, schedule
+    from csa_frontend.compressor.kernels import schedule
+    from csa_testing import forget_plans
 
-    def forget():
-        schedule.choose_schedule.cache_clear()
-        dispatch.clear_cache()
-
-    forget()
+    forget_plans()
     monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_WINDOW", window)
     if max_head_dim is not None:
         monkeypatch.setattr(schedule, "STREAM_FWD_ONLINE_MAX_HEAD_DIM", max_head_dim)
     yield
-    forget()
+    forget_plans()
 
 
 @pytest.fixture

@@ -442,3 +442,11 @@ def assert_offsets_rejected(pack: Pack, validate, message: str) -> None:
             run()
         for t, b in zip(outputs, before):
             assert torch.equal(t, b), f"{route}: an output was written before the rejection"
+
+
+def forget_plans() -> None:
+    """Empty the planner's and the compiler's caches, so that a knob the planner reads (changed
+    by a test) takes effect and does not leak into the next test."""
+    from csa_frontend.compressor.kernels import dispatch, schedule
+    schedule.choose_schedule.cache_clear()
+    dispatch.clear_cache()

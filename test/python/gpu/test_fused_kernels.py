@@ -1315,19 +1315,16 @@ def stealing(monkeypatch):
     """Sets row stealing for the rest of a test: ``stealing(rows, probe_us)`` (planner and compile
     caches emptied at each change and at the end, so no schedule leaks either way)."""
     from csa_frontend.compressor.kernels import dispatch
-
-    def forget():
-        schedule.choose_schedule.cache_clear()
-        dispatch.clear_cache()
+    from csa_testing import forget_plans
 
     def set_stealing(rows, probe_us=0):
-        forget()
+        forget_plans()
         monkeypatch.setattr(schedule, "WINDOW_BWD_STEAL", rows)
         monkeypatch.setattr(window_bwd, "WINDOW_BWD_STEAL_PROBE_US", probe_us)
         monkeypatch.setattr(dispatch, "_steal_work", {})
 
     yield set_stealing
-    forget()
+    forget_plans()
 
 
 @pytest.mark.L1

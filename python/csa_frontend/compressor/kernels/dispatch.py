@@ -222,8 +222,7 @@ def _build_backward(ratio: int, coff: int, head_dim: int, sched: Schedule, arch:
     op = family(ratio, coff, head_dim, sched, atomic, pdl=uses_pdl(arch), vector_atomics=sm90_or_later(arch),
                 column_cluster=bwd_column_cluster(sched, arch))
     one = cutlass.Int32(1)
-    work = ((make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4),)
-            if sched.family == "window" and sched.steal else ())
+    work = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4),) if sched.steal else ()
     args = (f["kv"], f["kv"], f["ape"], f["cu"], f["cu"], f["out"], f["kv"], f["kv"], f["slab"], *work, one, one, one,
             one, stream)
     if sched.family == "stream":
@@ -496,7 +495,7 @@ def _launch_backward(main, reduce, sched, per_sm, bucket, kv, score, ape, cu_seq
     n_seg = cu_seqlens.shape[0] - 1
     zero_ctas = zero_fill_ctas(n_seg, sched)
     inter = int(bwd_interleaved(n_rows, n_seg, ratio, coff, head_dim, sched, rpt))
-    steals = sched.family == "window" and sched.steal > 0
+    steals = sched.steal > 0  # the planner gives only window backwards a steal
     work = (steal_workspace(kv.device, sched, groups, rpt),) if steals else ()
     if reduce is None:  # atomic variant: CTA sums go straight into grad_ape
         if grad_ape is None:  # zeroed all the same: atomics read what they add to (initcheck)

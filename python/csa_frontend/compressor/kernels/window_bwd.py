@@ -84,11 +84,7 @@ class WindowBackward(BackwardKernel):
             # A thread's rows: ``lanes`` apart in one contiguous run per CTA, or, interleaved,
             # ``row_groups * lanes`` apart, so that the whole grid works through one region of
             # the pack at a time instead of one region per CTA (``bwd_interleaved``).
-            step = lanes
-            row = bx * rows_per_thread * lanes + lane
-            if interleaved != 0:
-                step = row_groups * lanes
-                row = bx * lanes + lane
+            row, step = self.run_start(bx, rows_per_thread, row_groups, lane, interleaved)
             t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
             # Rows of this thread's run it computes itself: all of them, unless (stealing) other
             # warps took rows from its back; then the first ``owned``.
@@ -98,7 +94,7 @@ class WindowBackward(BackwardKernel):
             unit = Int32(0)
             if cutlass.const_expr(steals):
                 assert staged, "row stealing needs the staged (cp.async) walk"
-                unit = (by * row_groups + bx) * (self.sched.threads // 32) + tidx // 32
+                unit = self.unit_of(by, bx, row_groups, tidx // 32)
             if cutlass.const_expr(staged):
                 for p in cutlass.range_constexpr(stages - 1):
                     if cutlass.const_expr(steals):
@@ -167,16 +163,16 @@ class WindowBackward(BackwardKernel):
                     park = self.park_view(sBuf)
                     for k in cutlass.range_constexpr(width):
                         for v in cutlass.range_constexpr(vec):
-                            park[(k * vec + v) // (vec // 2), tidx, (k * vec + v) % (vec // 2)] = rPart[k, v]
+                            park[k * vec + v, tidx] = rPart[k, v]
                 self.steal_rows(mKV, mS, gA, gGO, mGKV, mGS, gGKV, gGS, mCu, mCuC, mSlab, mWork, rPart, n_seg,
                                 n_real, row_groups, rows_per_thread, interleaved, col_ok, cv, by, tidx, lane, ape_rows)
                 if cutlass.const_expr(not self.atomic):
                     for k in cutlass.range_constexpr(width):
                         for v in cutlass.range_constexpr(vec):
-                            rPart[k, v] = park[(k * vec + v) // (vec // 2), tidx, (k * vec + v) % (vec // 2)]
+                            rPart[k, v] = park[k * vec + v, tidx]
                     self.collect_stolen(mSlab, mWork, unit, rPart, row_groups, rows_per_thread, owned, tidx)
                 if tidx % 32 == 0:  # every thief's CAS on this word has failed or landed: zeroed for the next launch
-                    cute.arch.store((mWork.iterator + unit).llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.store(self.claim_word(mWork, unit), Int32(0), sem="relaxed", scope="gpu")
             self.reduce_lanes(rPart, mSlab, bx, by, tidx, cvl, lane)
             if cutlass.const_expr(CTA_CLOCKS):
                 if tidx == 0:
@@ -188,6 +184,17 @@ class WindowBackward(BackwardKernel):
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
 
+    @cute.jit
+    def run_start(self, group, rows, row_groups, lane, interleaved):
+        """(first row, step between rows) of row lane ``lane``'s run in row group ``group``."""
+        lanes = self.sched.row_lanes
+        step = lanes
+        row = group * rows * lanes + lane
+        if interleaved != 0:
+            step = row_groups * lanes
+            row = group * lanes + lane
+        return row, step
+
     # ---- row stealing (``WINDOW_BWD_STEAL``; ``StealingWindowBackward``) ----------------------
     # mWork (int32, zero between launches): one word per warp of the grid, ``unit`` =
     # (column tile * row groups + CTA) * warps + warp: low 16 bits the rows its owner has claimed
@@ -197,13 +204,35 @@ class WindowBackward(BackwardKernel):
     # rows of a run are ever taken, so the owner adds its other rows' claims without waiting
     # for the answer (a reduction), and its back rows' a row early.
 
+    @property
+    def warps(self) -> int:
+        return self.sched.threads // 32
+
+    def unit_of(self, tile, group, row_groups, warp):
+        """Index of the run (claim word) of warp ``warp`` of row group ``group`` in column tile ``tile``."""
+        return (tile * row_groups + group) * self.warps + warp
+
+    def claim_word(self, mWork, unit):
+        """Pointer to claim word ``unit``."""
+        return (mWork.iterator + unit).llvm_ptr
+
+    def back_flag(self, mWork, unit, back, row_groups):
+        """Pointer to the flag of back slot ``back`` of run ``unit`` (after the grid's words)."""
+        n_units = self.sched.col_tiles * row_groups * self.warps
+        return (mWork.iterator + (n_units + unit * self.sched.steal + back)).llvm_ptr
+
+    def parts_slot(self, unit, back):
+        """``parts_view``'s slot of back slot ``back`` of run ``unit`` (per CTA, not per warp:
+        a CTA's warps hold different threads' values of it)."""
+        return unit // self.warps * self.sched.steal + back
+
     @cute.jit
     def claim_issue(self, mWork, unit, index, owned, rows) -> Int32:
         """Claim row ``index`` of this warp's run (lane 0; in row order). Returns the word before
         the claim for a back row, whose answer matters (``claim_granted``), else -1."""
         old = Int32(-1)
         if index < rows and index < owned and cute.arch.lane_idx() == 0:
-            ptr = (mWork.iterator + unit).llvm_ptr
+            ptr = self.claim_word(mWork, unit)
             if index < rows - self.sched.steal:
                 cute.arch.atomic_add(ptr, Int32(1), sem="relaxed", scope="gpu")
             else:
@@ -230,18 +259,16 @@ class WindowBackward(BackwardKernel):
         added to ``rPart`` (atomic variant) or written there alone and handed to the owner
         (``publish_stolen``)."""
         steal = self.sched.steal
-        warps = self.sched.threads // 32
         warp = tidx // 32
         wl = tidx % 32
-        lanes = self.sched.row_lanes
         scans = Int32(0)
         looking = Int32(1)
         while looking != 0:
             best = Int32(-1)
             best_word = Int32(0)
             for victim in cutlass.range(wl, row_groups, 32, unroll=1):
-                word = cute.arch.load((mWork.iterator + ((by * row_groups + victim) * warps + warp)).llvm_ptr,
-                                      Int32, sem="relaxed", scope="gpu")
+                word = cute.arch.load(self.claim_word(mWork, self.unit_of(by, victim, row_groups, warp)), Int32,
+                                      sem="relaxed", scope="gpu")
                 front = word & 0xFFFF
                 back = word >> 16
                 left = rows - front - back
@@ -260,20 +287,18 @@ class WindowBackward(BackwardKernel):
                 expected = cute.arch.shuffle_sync(best_word, victim % 32)
                 seen = Int32(0)
                 if wl == 0:
-                    seen = cute.arch.atomic_cas(
-                        (mWork.iterator + ((by * row_groups + victim) * warps + warp)).llvm_ptr,
-                        cmp=expected, val=expected + 65536, sem="relaxed", scope="gpu")
+                    seen = cute.arch.atomic_cas(self.claim_word(mWork, self.unit_of(by, victim, row_groups, warp)),
+                                                cmp=expected, val=expected + 65536, sem="relaxed", scope="gpu")
                 seen = cute.arch.shuffle_sync(seen, 0)
                 if seen == expected:
                     if cutlass.const_expr(WINDOW_BWD_STEAL_PROBE_US > 0):
                         if wl == 0:
                             cute.arch.atomic_add((mWork.iterator + (mWork.shape[0] - 1)).llvm_ptr, Int32(1),
                                                  sem="relaxed", scope="gpu")
-                    slot = expected >> 16
-                    index = rows - 1 - slot
-                    row = victim * rows * lanes + lane + index * lanes
-                    if interleaved != 0:
-                        row = victim * lanes + lane + index * row_groups * lanes
+                    back = expected >> 16
+                    index = rows - 1 - back
+                    start, step = self.run_start(victim, rows, row_groups, lane, interleaved)
+                    row = start + index * step
                     t0, lo, hi, t1 = row_span(mCu, mCuC, n_seg, row, self.warp_rows, self.one_round_loads("bwd"))
                     own0, has_prev = block_start(t0, row - lo, self.ratio, mKV.shape[0])
                     last_blk = row - lo == hi - lo - 1
@@ -285,21 +310,21 @@ class WindowBackward(BackwardKernel):
                         if last_blk:
                             self.zero_unconsumed(wGKV, wGS, gGKV, gGS, own0, t1, cv)
                     if cutlass.const_expr(not self.atomic):
-                        self.publish_stolen(mSlab, mWork, rPart, row_groups, (by * row_groups + victim) * warps + warp,
-                                            (by * row_groups + victim) * steal + slot, tidx)
+                        self.publish_stolen(mSlab, mWork, rPart, row_groups, self.unit_of(by, victim, row_groups, warp),
+                                            back, tidx)
                 scans = scans + 1
                 if scans < WINDOW_BWD_STEAL_SCANS:
                     looking = Int32(1)
 
     def park_view(self, sBuf):
-        """The stage slots as fp32, ``(slot row, thread, vec / 2)``: a thread's slot rows (every
-        stage's) hold ``stages * (2 * width + 1) * vec / 2`` fp32 values, at least the ``width *
-        vec`` of its partials."""
+        """The stage slots as fp32, ``(value, thread)``: a thread's slot rows (every stage's) hold
+        ``stages * (2 * width + 1) * vec / 2`` fp32 values, ``vec / 2`` per slot row, at least the
+        ``width * vec`` of its partials."""
         half = self.vec // 2
         rows = self.stages * (2 * self.width + 1)
         threads = self.sched.threads
         return cute.make_tensor(cute.recast_ptr(sBuf.iterator, dtype=Float32),
-                                cute.make_layout((rows, threads, half), stride=(threads * half, half, 1)))
+                                cute.make_layout(((half, rows), threads), stride=((1, threads * half), half)))
 
     @cute.jit
     def parts_view(self, mSlab, row_groups):
@@ -314,36 +339,33 @@ class WindowBackward(BackwardKernel):
                                 cute.make_layout((n_slots, wv, threads), stride=(wv * threads, threads, 1)))
 
     @cute.jit
-    def publish_stolen(self, mSlab, mWork, rTaken, row_groups, victim_unit, slot, tidx):
-        """Hand a stolen row's grad_ape contributions to its owner: store them, then raise the
-        slot's flag with release order (every lane's stores before it, through the warp barrier)."""
+    def publish_stolen(self, mSlab, mWork, rTaken, row_groups, unit, back, tidx):
+        """Hand a stolen row (back slot ``back`` of run ``unit``)'s grad_ape contributions to its
+        owner: store them, then raise the slot's flag with release order (every lane's stores
+        before it, through the warp barrier)."""
         gParts = self.parts_view(mSlab, row_groups)
+        slot = self.parts_slot(unit, back)
         for k in cutlass.range_constexpr(self.width):
             for v in cutlass.range_constexpr(self.vec):
                 gParts[slot, k * self.vec + v, tidx] = rTaken[k, v]
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()
         if tidx % 32 == 0:
-            n_units = self.sched.col_tiles * row_groups * (self.sched.threads // 32)
-            flag = n_units + victim_unit * self.sched.steal + (slot % self.sched.steal)
-            cute.arch.store((mWork.iterator + flag).llvm_ptr, Int32(1), sem="release", scope="gpu")
+            cute.arch.store(self.back_flag(mWork, unit, back, row_groups), Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def collect_stolen(self, mSlab, mWork, unit, rPart, row_groups, rows, owned, tidx):
         """Add the rows thieves took from this warp's run (``owned`` on) in row order, as the
         static walk would have, each once its flag is up; then lower the flag."""
-        steal = self.sched.steal
         gParts = self.parts_view(mSlab, row_groups)
-        n_units = self.sched.col_tiles * row_groups * (self.sched.threads // 32)
-        owner = unit // (self.sched.threads // 32)  # column tile * row groups + CTA
         for index in cutlass.range(owned, rows, unroll=1):
             back = rows - 1 - index
-            flag = (mWork.iterator + (n_units + unit * steal + back)).llvm_ptr
+            flag = self.back_flag(mWork, unit, back, row_groups)
             up = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             while up == 0:
                 nanosleep(64)
                 up = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            slot = owner * steal + back
+            slot = self.parts_slot(unit, back)
             for k in cutlass.range_constexpr(self.width):
                 for v in cutlass.range_constexpr(self.vec):
                     rPart[k, v] = rPart[k, v] + gParts[slot, k * self.vec + v, tidx]
