@@ -1308,6 +1308,33 @@ def test_serial_forward_extreme_inputs(ratio, coff, head_dim, case, serial_varia
         assert nan.any()
 
 
+def ragged_window_backward_case(ratio, coff, head_dim, ctas, seed):
+    """(kv, score, ape, cu, comp, grad_out, rows) of a ragged pack (empty, short and tail
+    segments, tokens past the pack, padding rows) long enough that every thread of a
+    ``ctas``-CTA window backward walks at least 4 rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per_copy = edge_lengths(ratio) + [0, 5 * ratio, max(ratio - 1, 1)]
+    lanes = choose_schedule(ratio, coff, head_dim, "bwd").row_lanes
+    lengths = per_copy * (1 + 4 * ctas * lanes // sum(n // ratio for n in per_copy))
+    cu, comp = offsets(lengths, ratio)
+    kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim, generator=g)
+    total = int(comp[-1]) + 5
+    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    return kv, score, ape, cu, comp, grad_out, total
+
+
+def run_backward_every_element(case, ratio, coff, head_dim, deterministic=True):
+    """[grad_kv, grad_score, grad_ape] of ``kernels.backward`` on a case of
+    ``ragged_window_backward_case``, into NaN-filled buffers, each element checked written."""
+    kv, score, ape, cu, comp, grad_out, _ = case
+    got = [torch.full_like(t, float("nan")) for t in (kv, score, ape)]
+    kernels.backward(kv, score, ape, cu, comp, grad_out, *got, ratio=ratio, coff=coff, head_dim=head_dim,
+                     deterministic=deterministic)
+    for name, t in zip(("grad_kv", "grad_score", "grad_ape"), got):
+        assert not torch.isnan(t).any(), f"{name}: elements left unwritten"
+    return got
+
+
 # ---- row stealing (WINDOW_BWD_STEAL): warps take the back rows of slower warps' runs ----
 
 @pytest.fixture
@@ -1341,22 +1368,11 @@ def test_window_backward_row_stealing(stealing, monkeypatch, deterministic, ctas
     (3 CTAs) and interleaved (16, where the rule takes it) walks."""
     from csa_frontend.compressor.kernels import dispatch
     monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
-    g = torch.Generator(device="cuda").manual_seed(ratio * 100 + head_dim + ctas)
-    per_copy = edge_lengths(ratio) + [0, 5 * ratio, max(ratio - 1, 1)]
-    lanes = choose_schedule(ratio, coff, head_dim, "bwd").row_lanes
-    lengths = per_copy * (1 + 4 * ctas * lanes // sum(n // ratio for n in per_copy))  # >= 4 rows per thread
-    cu, comp = offsets(lengths, ratio)
-    kv, score, ape = random_inputs(int(cu[-1]) + 3, ratio, coff, head_dim, generator=g)
-    total = int(comp[-1]) + 5
-    grad_out = torch.randn(total, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    case = ragged_window_backward_case(ratio, coff, head_dim, ctas, seed=ratio * 100 + head_dim + ctas)
+    kv, score, ape, cu, comp, grad_out, total = case
 
     def run(det):
-        got = [torch.full_like(t, float("nan")) for t in (kv, score, ape)]
-        kernels.backward(kv, score, ape, cu, comp, grad_out, *got, ratio=ratio, coff=coff, head_dim=head_dim,
-                         deterministic=det)
-        for name, t in zip(("grad_kv", "grad_score", "grad_ape"), got):
-            assert not torch.isnan(t).any(), f"{name}: elements left unwritten"
-        return got
+        return run_backward_every_element(case, ratio, coff, head_dim, deterministic=det)
 
     stealing(0)
     want = run(True)
@@ -1383,3 +1399,36 @@ def test_window_backward_row_stealing(stealing, monkeypatch, deterministic, ctas
     assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
     if deterministic:
         assert torch.equal(again[2], want[2])
+
+
+# ---- L2 prefetch ahead (WINDOW_BWD_L2_AHEAD): a hint, so the bits of the default kernel ----
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ahead", [2, 5])
+@pytest.mark.parametrize("ctas", [3, 16])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 512), (4, 2, 128), (3, 1, 64), (1, 2, 16)])
+def test_window_backward_l2_prefetch_ahead(monkeypatch, ahead, ctas, ratio, coff, head_dim):
+    """The backward with per-step L2 prefetches ``ahead`` steps ahead gives the default kernel's
+    bits, and the reference's, on ragged packs (empty, short and tail segments, so prefetched
+    rows cross segments and the pack's ends), with tokens past the pack and padding rows;
+    contiguous (3 CTAs) and interleaved (16) walks."""
+    from csa_testing import forget_plans
+    monkeypatch.setattr(schedule, "BWD_TARGET_CTAS", ctas)
+    case = ragged_window_backward_case(ratio, coff, head_dim, ctas, seed=ratio * 100 + head_dim + ctas + ahead)
+    kv, score, ape, cu, comp, grad_out, _ = case
+
+    def run(distance):
+        forget_plans()
+        monkeypatch.setattr(window_bwd, "WINDOW_BWD_L2_AHEAD", distance)
+        return run_backward_every_element(case, ratio, coff, head_dim)
+
+    try:
+        want = run(0)
+        got = run(ahead)
+    finally:
+        forget_plans()
+    for name, a, b in zip(("grad_kv", "grad_score", "grad_ape"), got, want):
+        assert torch.equal(a, b), f"{name} differs in {(a != b).sum().item()} elements"
+    rkv, rs, rape = reference_backward(kv, score, ape, cu, comp, grad_out, ratio, coff)
+    assert torch.equal(got[0], rkv) and torch.equal(got[1], rs)
+    torch.testing.assert_close(got[2], rape, rtol=1e-5, atol=1e-5 * rape.abs().max().item())

@@ -550,3 +550,22 @@ def test_row_stealing_backward_compiles(ratio, coff, head_dim, deterministic, mo
     assert "atom.global.cas.b32" in text and "atom.global.add.u32" in text
     assert ("st.release.gpu.global.b32" in text) == deterministic
     assert ("ld.acquire.gpu.global.b32" in text) == deterministic
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 512), (1, 2, 16)])
+def test_l2_prefetch_ahead_backward_compiles(ratio, coff, head_dim, monkeypatch, tmp_path):
+    """``WINDOW_BWD_L2_AHEAD`` (off by default): the window backward compiled with its per-step
+    L2 bulk prefetches of kv, score and grad_out; the default kernel has none, and a distance
+    inside the cp.async pipeline is refused by name."""
+    from csa_frontend.compressor.kernels import window_bwd
+    sched = choose_schedule(ratio, coff, head_dim, "bwd")
+    assert sched.family == "window"
+    build = dispatch._build_backward
+    prefetch = re.compile(r"cp\.async\.bulk\.prefetch\.L2\.global")
+    assert not prefetch.search(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path))
+    monkeypatch.setattr(window_bwd, "WINDOW_BWD_L2_AHEAD", 2)
+    assert len(prefetch.findall(main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path))) == 3
+    monkeypatch.setattr(window_bwd, "WINDOW_BWD_L2_AHEAD", 1)
+    with pytest.raises(ValueError, match="CSA_FRONTEND_WINDOW_BWD_L2_AHEAD"):
+        main_kernel_ptx(build, ratio, coff, head_dim, sched, monkeypatch, tmp_path)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -155,6 +155,26 @@ def red_add_f32_vector(ptr, values, *, loc=None, ip=None) -> None:
                     + [Float32(x).ir_value(loc=loc, ip=ip) for x in values],
                     f"red.global.add.v{n}.f32 [$0], {{{regs}}};", ",".join(["l"] + ["f"] * n),
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _bulk_prefetch_l2(addr, nbytes, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def prefetch_l2(mT: cute.Tensor, first: Int32, rows: Int32):
+    """Ask L2 for ``rows`` whole rows of the row-major ``mT`` from row ``first`` (sm_90+, a hint:
+    no completion, nothing written). The bulk prefetch takes 16-byte units, so the range is
+    trimmed to the whole units inside it: it never reaches outside the rows asked for."""
+    start = cute.domain_offset((first, 0), mT).iterator.toint()
+    end = start + Int64(rows) * Int64(mT.shape[1] * (mT.element_type.width // 8))
+    start = (start + Int64(15)) & Int64(-16)
+    end = end & Int64(-16)
+    if end > start:
+        _bulk_prefetch_l2(start, Int32(end - start))
 
 
 @cute.jit

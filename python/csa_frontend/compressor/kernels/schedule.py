@@ -1214,6 +1214,16 @@ WINDOW_BWD_STEAL_MIN_LEFT = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL_MI
 #: Tests only: with row stealing, the warps of CTA 0 start about this many microseconds late (so
 #: others take their back rows) and every steal is counted in the workspace's last word. 0: no code.
 WINDOW_BWD_STEAL_PROBE_US = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_STEAL_PROBE_US", "0"))
+#: Register-window backward: at every step, thread 0 of each CTA of column tile 0 asks L2 for
+#: the whole token rows (kv, score) and the grad_out rows of its CTA's rows this many steps
+#: ahead (one ``cp.async.bulk.prefetch.L2`` per tensor), on top of the cp.async pipeline's
+#: ``stages - 1``. NOTES row 188 found the kernel bound by its memory pipeline, not by its
+#: arithmetic, with about one row per thread in flight and no shared memory left for another
+#: stage at two CTAs per SM; the prefetch adds bytes in flight without any. Rows past the
+#: computed row's segment are placed as if that segment went on (exact for packs of whole
+#: blocks; elsewhere only the hint is off). Experimental knob, CSA_FRONTEND_WINDOW_BWD_L2_AHEAD
+#: (0: no code; otherwise at least the pipeline's stages, whose rows are already in flight).
+WINDOW_BWD_L2_AHEAD = int(os.environ.get("CSA_FRONTEND_WINDOW_BWD_L2_AHEAD", "0"))
 
 #: Programmatic dependent launch of every kernel (sm_90+): each lets the next grid on the stream
 #: launch at once and waits (``griddepcontrol.wait``) for the previous one to finish and flush

@@ -21,11 +21,12 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .common import (BackwardKernel, ape_tile, block_start, can_stage, copy_async, enter_grid,
-                     load_window, mul_rn, nanosleep, row_span, softmax_column, stage_ape, stage_buffers,
+                     load_window, mul_rn, nanosleep, prefetch_l2, row_span, softmax_column, stage_ape, stage_buffers,
                      stage_slots, stage_window, store_partial, store_zeros, weights_and_products,
                      widen_bf16, window_view, zero_fill_cta, zero_tokens)
-from .schedule import (CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS, WINDOW_BWD_STEAL_MIN_LEFT,
-                       WINDOW_BWD_STEAL_PROBE_US, WINDOW_BWD_STEAL_SCANS, stages_ape_tile)
+from .schedule import (CTA_CLOCKS, FIRST_ROW_ALONE, WINDOW_BWD_L2_AHEAD, WINDOW_BWD_STAGES, WINDOW_BWD_STAGGER_NS,
+                       WINDOW_BWD_STEAL_MIN_LEFT, WINDOW_BWD_STEAL_PROBE_US, WINDOW_BWD_STEAL_SCANS,
+                       stages_ape_tile)
 
 
 class WindowBackward(BackwardKernel):
@@ -35,6 +36,9 @@ class WindowBackward(BackwardKernel):
     def stages(self) -> int:
         stages = WINDOW_BWD_STAGES[f"c{self.coff}"]
         assert stages >= 2, f"CSA_FRONTEND_WINDOW_BWD_STAGES: at least 2 stages, got {stages}"
+        if 0 < WINDOW_BWD_L2_AHEAD < stages or WINDOW_BWD_L2_AHEAD < 0:
+            raise ValueError(f"CSA_FRONTEND_WINDOW_BWD_L2_AHEAD: 0 (off) or at least the {stages} pipeline "
+                             f"stages (nearer rows are already being copied), got {WINDOW_BWD_L2_AHEAD}")
         return stages
 
     @cute.kernel
@@ -135,6 +139,10 @@ class WindowBackward(BackwardKernel):
                     self.stage_ahead(mKV, mS, mCu, mCuC, n_seg, gGO, sBuf, (it + stages - 1) % stages, stages - 1,
                                      it + stages - 1, owned, row, step, t0, lo, hi, n_real, col_ok, cv,
                                      tidx)
+                    if cutlass.const_expr(WINDOW_BWD_L2_AHEAD > 0):
+                        if tidx == 0 and by == 0:
+                            self.prefetch_ahead(mKV, mS, mGO, row + WINDOW_BWD_L2_AHEAD * step,
+                                                it + WINDOW_BWD_L2_AHEAD, rows_per_thread, n_real, t0, lo)
                     cute.arch.cp_async_wait_group(stages - 1)
                     slots = stage_slots(sBuf, it % stages, tidx)
                 this_row = row
@@ -183,6 +191,22 @@ class WindowBackward(BackwardKernel):
             zb = bx - row_groups
             if col_ok:
                 zero_fill_cta(gGKV, gGS, mCu, mCuC, zb, lane, lanes, zero_ctas, cv, mKV.shape[0], coff, n_vec, vec)
+
+    @cute.jit
+    def prefetch_ahead(self, mKV, mS, mGO, prow, index, rows_per_thread, n_real, t0, lo):
+        """``WINDOW_BWD_L2_AHEAD``: L2 prefetch of the token rows under this CTA's rows at thread
+        row ``index`` (its row lanes: ``lanes`` consecutive rows from ``prow``), placed by the
+        segment of the row computed now (``t0``, ``lo``)."""
+        lanes, ratio, coff = self.sched.row_lanes, self.ratio, self.coff
+        if index < rows_per_thread and prow < n_real:
+            first = t0 + (prow - lo) * ratio - (coff - 1) * ratio
+            last = t0 + (prow + lanes - lo) * ratio
+            first = cutlass.max(first, 0)
+            last = cutlass.min(last, mKV.shape[0])
+            if last > first:
+                prefetch_l2(mKV, first, last - first)
+                prefetch_l2(mS, first, last - first)
+            prefetch_l2(mGO, prow, cutlass.min(prow + lanes, n_real) - prow)
 
     @cute.jit
     def run_start(self, group, rows, row_groups, lane, interleaved):
